@@ -1,0 +1,163 @@
+"""Builds a tiny random-weight model directory (config.json + safetensors + tokenizer).
+
+Deterministic: the same name, overrides and seed give byte-identical files. Weights are
+initialised by transformers (``from_config`` under ``torch.manual_seed``) in fp32 and saved
+as bfloat16. ``weights_from`` builds a family from another checkpoint's weights instead (e.g.
+a DeepSeek-V3 dense-MLA twin of a DeepSeek-V3.2 DSA model: same tensors minus the indexer).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from .configs import FAMILIES, INIT_RANGE, MODEL_NAMES
+from .tokenizer import save_tokenizer
+
+BUILD_INFO = "ulacache_build.json"  # marks a directory this factory wrote (safe to replace)
+WEIGHTS = "model.safetensors"
+
+# Config keys never taken over from a weights_from source (identity, not shape).
+_NOT_SHAPE = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
+              "_name_or_path", "auto_map", "layer_types", "num_nextn_predict_layers"}
+
+
+def _config_class(name: str):
+    import transformers
+
+    return getattr(transformers, FAMILIES[name].config_class)
+
+
+def _kwargs_from_source(name: str, src: Path) -> dict[str, Any]:
+    """Shape settings of a source checkpoint that the target family's config understands."""
+    src_cfg = json.loads((src / "config.json").read_text())
+    known = set(_config_class(name)().to_dict()) | set(FAMILIES[name].extra_json)
+    return {k: v for k, v in src_cfg.items()
+            if k in known and k not in _NOT_SHAPE and not k.startswith("index_")}
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _make_config(name: str, kwargs: dict[str, Any], special_ids: dict[str, int]):
+    fam = FAMILIES[name]
+    cfg = _config_class(name)(
+        **{"initializer_range": INIT_RANGE, **special_ids, **kwargs},
+        architectures=[fam.architecture],
+    )
+    return cfg
+
+
+def _finish_config(name: str, d: Path, kwargs: dict[str, Any]) -> None:
+    """Rewrite config.json with the fields save_pretrained may drop and a stable key order."""
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in FAMILIES[name].extra_json.items():
+        cfg[k] = kwargs.get(k, v)
+    cfg["dtype"] = "bfloat16"
+    _write_json(d / "config.json", cfg)
+
+
+def _random_weights(config, d: Path, seed: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(str(d), safe_serialization=True)
+
+
+def _copied_weights(config, d: Path, src: Path) -> list[str]:
+    """Save the source's tensors that the target model has; return the names dropped."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(config)
+    # HF checkpoint names (what save_pretrained writes); meta model keys match them for
+    # these families because their tensors are saved unconverted.
+    want = {k: tuple(v.shape) for k, v in target.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        want.pop("lm_head.weight", None)
+    src_files = sorted(src.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in src_files:
+        tensors.update(load_file(str(f)))
+    missing = sorted(set(want) - set(tensors))
+    if missing:
+        raise ValueError(f"weights_from {src} lacks tensors: {missing[:5]}...")
+    for k, shape in want.items():
+        if tuple(tensors[k].shape) != shape:
+            raise ValueError(f"{k}: source shape {tuple(tensors[k].shape)} != {shape}")
+    dropped = sorted(set(tensors) - set(want))
+    save_file({k: tensors[k].contiguous() for k in sorted(want)}, str(d / WEIGHTS),
+              metadata={"format": "pt"})
+    config.dtype = "bfloat16"
+    config.save_pretrained(str(d))
+    GenerationConfig.from_model_config(config).save_pretrained(str(d))
+    return dropped
+
+
+def build_model(
+    name: str,
+    outdir: str | os.PathLike,
+    *,
+    overrides: dict[str, Any] | None = None,
+    seed: int = 0,
+    weights_from: str | os.PathLike | None = None,
+) -> Path:
+    """Build tiny model ``name`` into ``outdir`` and return its path.
+
+    ``overrides`` replace config kwargs (e.g. ``{"index_topk": 64}``). ``weights_from``
+    takes shapes and weights from an existing checkpoint directory (tensors the target
+    architecture lacks, such as a DSA indexer, are dropped); ``overrides`` then must not
+    change shapes. ``outdir`` is replaced if this factory wrote it before, refused if it
+    holds anything else.
+    """
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+    out = Path(outdir)
+    if out.exists() and any(out.iterdir()) and not (out / BUILD_INFO).exists():
+        raise FileExistsError(f"{out} exists and was not written by build_model")
+    overrides = dict(overrides or {})
+    src = Path(weights_from) if weights_from is not None else None
+
+    kwargs = dict(FAMILIES[name].kwargs)
+    info: dict[str, Any] = {"name": name, "seed": seed, "overrides": overrides}
+    if src is not None:
+        kwargs.update(_kwargs_from_source(name, src))
+        src_info = src / BUILD_INFO
+        info["weights_from"] = json.loads(src_info.read_text()) if src_info.exists() else str(src)
+    kwargs.update(overrides)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a half-written directory is never seen.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model dir is meant to be shared
+        special_ids = save_tokenizer(tmp, kwargs["vocab_size"])
+        config = _make_config(name, kwargs, special_ids)
+        if src is None:
+            _random_weights(config, tmp, seed)
+        else:
+            info["dropped_tensors"] = _copied_weights(config, tmp, src)
+        _finish_config(name, tmp, kwargs)
+        _write_json(tmp / BUILD_INFO, info)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def build_dense_twin(dsa_dir: str | os.PathLike, outdir: str | os.PathLike) -> Path:
+    """DeepSeek-V3 dense-MLA model with a DSA checkpoint's weights (indexer dropped)."""
+    return build_model("deepseek_v3", outdir, weights_from=dsa_dir)
