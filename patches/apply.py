@@ -1,0 +1,11 @@
+"""Applies every vLLM patch of this project, in order; each one checks the vLLM version."""
+from __future__ import annotations
+
+from . import cli_args, cpu_sparse_attention, engine_config, llm_kwargs, rotary_cpu
+
+ALL = (cli_args, llm_kwargs, engine_config, rotary_cpu, cpu_sparse_attention)
+
+
+def apply_all() -> None:
+    for mod in ALL:
+        mod.apply()

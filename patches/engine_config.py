@@ -1,0 +1,37 @@
+"""Hook: `EngineArgs.create_engine_config` (engine/arg_utils.py).
+
+The single place where a `kv_backend` request, from any entry point (CLI flag, `LLM` keyword,
+raw `--additional-config`), is validated and turned into vLLM configuration: an unknown name or
+an unsupported model fails here, in the front-end process, with a message naming the fix,
+instead of as a traceback deep inside the engine core.
+"""
+from __future__ import annotations
+
+from ulacache_vllm.engine import config as ula_config
+
+from ._hook import replace
+
+HOOK = "engine_config"
+MODULE = "vllm.engine.arg_utils"
+
+
+def apply() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    orig = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        backend = ula_config.backend_from_additional_config(self.additional_config)
+        settings = None
+        if backend == "ulacache":
+            settings = ula_config.settings_from_additional_config(self.additional_config)
+            from ulacache_vllm.engine import wiring
+
+            wiring.prepare_engine_args(self, settings)
+        vllm_config = orig(self, *args, **kwargs)
+        if backend == "ulacache":
+            ula_config.check_model_supported(vllm_config.model_config)
+            wiring.finalize_vllm_config(vllm_config, settings)
+        return vllm_config
+
+    replace(MODULE, "EngineArgs.create_engine_config", create_engine_config, HOOK)

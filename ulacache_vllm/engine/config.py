@@ -1,0 +1,104 @@
+"""The `--kv-backend` choice and ulacache settings: names, validation, and where they live.
+
+The choice travels to every vLLM process inside `VllmConfig.additional_config` (vLLM has no
+field for it): `{"kv_backend": "ulacache", "ulacache": {...settings...}}`.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+KV_BACKENDS = ("vllm", "ulacache")
+DEFAULT_KV_BACKEND = "vllm"
+ADDITIONAL_CONFIG_KEY = "kv_backend"
+SETTINGS_KEY = "ulacache"
+
+# Architectures whose attention is index-based sparse MLA (DSA): ulacache's logical address
+# space serves these. Any model whose config carries `index_topk` is treated the same way.
+DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+
+
+class KVBackendError(ValueError):
+    """A bad `--kv-backend` request: the message names the problem and the fix."""
+
+
+@dataclass
+class UlaSettings:
+    """ulacache knobs, given as `--ula-*` flags or `LLM(ula_*=...)` keyword arguments."""
+
+    host_pool_gib: float = 4.0  # host-tier capacity for sparse-MLA KV rows
+    lru: str = "pblru"  # victim policy: pblru | exact_ts | exact_list
+    trace_path: str | None = None  # opt-in: write per-step selected logical addresses here
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "UlaSettings":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise KVBackendError(
+                f"unknown ulacache setting(s) {unknown}; valid settings: {sorted(known)}"
+            )
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def validate_backend_name(name: Any) -> str:
+    if not isinstance(name, str) or name.strip().lower() not in KV_BACKENDS:
+        raise KVBackendError(
+            f"unknown --kv-backend {name!r}; valid choices: {', '.join(KV_BACKENDS)} "
+            f"(default: {DEFAULT_KV_BACKEND})"
+        )
+    return name.strip().lower()
+
+
+def backend_from_additional_config(additional_config: dict | None) -> str:
+    if not additional_config:
+        return DEFAULT_KV_BACKEND
+    return validate_backend_name(additional_config.get(ADDITIONAL_CONFIG_KEY, DEFAULT_KV_BACKEND))
+
+
+def settings_from_additional_config(additional_config: dict | None) -> UlaSettings:
+    return UlaSettings.from_dict((additional_config or {}).get(SETTINGS_KEY))
+
+
+def kv_backend_of(vllm_config: Any) -> str:
+    return backend_from_additional_config(getattr(vllm_config, "additional_config", None))
+
+
+def merge_into_additional_config(
+    additional_config: dict | None, backend: str | None, settings: dict[str, Any]
+) -> dict:
+    out = dict(additional_config or {})
+    if backend is not None:
+        out[ADDITIONAL_CONFIG_KEY] = validate_backend_name(backend)
+    if settings:
+        merged = dict(out.get(SETTINGS_KEY) or {})
+        merged.update(settings)
+        UlaSettings.from_dict(merged)  # validate early, with a clear message
+        out[SETTINGS_KEY] = merged
+    return out
+
+
+def is_dsa_model(hf_config: Any) -> bool:
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    if getattr(text, "index_topk", None):
+        return True
+    archs = getattr(hf_config, "architectures", None) or []
+    return any(a in DSA_ARCHITECTURES for a in archs)
+
+
+def check_model_supported(model_config: Any) -> None:
+    """Raises KVBackendError unless ulacache can serve this model."""
+    hf_config = model_config.hf_config
+    if is_dsa_model(hf_config):
+        return
+    archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
+    raise KVBackendError(
+        f"--kv-backend ulacache does not support model architecture {', '.join(archs)}: "
+        f"it serves index-based sparse-attention (DSA) models "
+        f"({', '.join(DSA_ARCHITECTURES)}, or any model whose config has `index_topk`). "
+        f"Use --kv-backend vllm for this model."
+    )

