@@ -1,0 +1,50 @@
+"""Triton kernels with torch reference implementations (importable as ulacache_vllm.kernels).
+
+Dispatch: tensors on CUDA use the Triton kernels (``pblru_kernels``, ``translate``); CPU
+tensors use ``reference``. ``ULACACHE_FORCE_TRITON=1`` forces Triton for CPU tensors (only
+meaningful with ``TRITON_INTERPRET=1``; the tests use it). The Triton modules are imported
+lazily so that ``TRITON_INTERPRET`` is read when they are first needed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import torch
+
+from . import reference
+
+__all__ = ["use_triton", "popcount64", "expand_first_k", "hit_touch", "translate", "reference"]
+
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    if os.environ.get("ULACACHE_FORCE_TRITON") == "1":
+        return True
+    return t.is_cuda and _HAS_TRITON
+
+
+def _mod(name: str):
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def popcount64(words):
+    return (_mod("pblru_kernels") if use_triton(words) else reference).popcount64(words)
+
+
+def expand_first_k(words, k: int):
+    return (_mod("pblru_kernels") if use_triton(words) else reference).expand_first_k(words, k)
+
+
+def hit_touch(loc_vals, buckets, cur_row: int):
+    return (_mod("pblru_kernels") if use_triton(loc_vals) else reference).hit_touch(
+        loc_vals, buckets, cur_row)
+
+
+def translate(addrs, table, rank: int, world: int, pub_rank: int | None = None):
+    return (_mod("translate") if use_triton(addrs) else reference).translate(
+        addrs, table, rank, world, pub_rank)

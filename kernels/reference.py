@@ -1,0 +1,98 @@
+"""Torch reference implementations of the ulacache kernels (CPU path and test oracle).
+
+Bit layout shared with the Triton kernels: a bitmap is an int64 tensor, slot ``s`` is bit
+``s & 63`` of word ``s >> 6``. Mapping-table values (internal, rank-less) are ``-1`` for
+unmapped, else ``tier << 32 | slot`` (tier 0 device, 1 host, 2 pending).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SLOT_BITS = 32
+SLOT_MASK = (1 << SLOT_BITS) - 1
+# Public packed location: tier << 48 | rank << 32 | slot (see core.mapping).
+PUB_TIER_SHIFT = 48
+PUB_RANK_SHIFT = 32
+TIER_PENDING = 2
+TIER_REMOTE = 3
+
+_M1 = 0x5555555555555555
+_M2 = 0x3333333333333333
+_M4 = 0x0F0F0F0F0F0F0F0F
+_H01 = 0x0101010101010101
+
+
+def _signed(x: int) -> int:
+    return x - (1 << 64) if x >= (1 << 63) else x
+
+
+def popcount64(words: torch.Tensor) -> torch.Tensor:
+    """Per-word set-bit count (SWAR; torch has no int64 popcount)."""
+    x = words
+    # Logical shift emulation: arithmetic >> then mask off the sign-extended bits.
+    x = x - ((x >> 1) & _signed(_M1))
+    x = (x & _signed(_M2)) + ((x >> 2) & _signed(_M2))
+    x = (x + (x >> 4)) & _signed(_M4)
+    return (x * _signed(_H01)) >> 56 & 0xFF
+
+
+def expand_first_k(words: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions ``i*64 + bit`` of the first ``k`` set bits of ``words`` (word order, then bit order).
+
+    Returns fewer than ``k`` positions when fewer bits are set.
+    """
+    if k <= 0 or words.numel() == 0:
+        return words.new_empty(0)
+    cnt = popcount64(words)
+    cum = torch.cumsum(cnt, 0)
+    # Only expand the words needed to reach k bits: keeps the cost O(k) on dense bitmaps.
+    need = int(torch.searchsorted(cum, torch.tensor([k], device=words.device)).item()) + 1
+    sub = words[: min(need, words.numel())]
+    shifts = torch.arange(64, device=words.device, dtype=torch.int64)
+    bits = ((sub[:, None] >> shifts) & 1).bool()
+    return bits.reshape(-1).nonzero().squeeze(1)[:k]
+
+
+def slots_to_words(slots: torch.Tensor, num_words: int) -> torch.Tensor:
+    """Dense word mask with the bits of ``slots`` set. ``slots`` must be unique (sum == OR)."""
+    mask = torch.zeros(num_words, dtype=torch.int64, device=slots.device)
+    mask.index_add_(0, slots >> 6, torch.ones_like(slots) << (slots & 63))
+    return mask
+
+
+def hit_touch(loc_vals: torch.Tensor, buckets: torch.Tensor, cur_row: int):
+    """Hit detection + PB-LRU touch. ``loc_vals`` are internal table values of unique entries.
+
+    Device hits move to bucket row ``cur_row`` of ``buckets`` [B, W] (cleared from every other
+    row). Returns ``(hit_mask, slots)`` with ``slots`` = device slot or -1.
+    """
+    hit = (loc_vals >= 0) & ((loc_vals >> SLOT_BITS) == 0)
+    slots = torch.where(hit, loc_vals & SLOT_MASK, torch.full_like(loc_vals, -1))
+    hs = slots[hit]
+    if hs.numel():
+        mask = slots_to_words(hs, buckets.shape[1])
+        buckets &= ~mask
+        buckets[cur_row] |= mask
+    return hit, slots
+
+
+def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
+              pub_rank: int | None = None) -> torch.Tensor:
+    """Logical address -> public packed location (``tier<<48 | rank<<32 | slot``), -1 for padding.
+
+    Addresses owned by another rank (``a % world != rank``) give tier REMOTE with the owner rank.
+    Pending (in-flight) entries give tier PENDING with slot 0. ``pub_rank`` (default ``rank``)
+    is the rank written into local locations (DP ranks own everything but keep their id).
+    """
+    pub_rank = rank if pub_rank is None else pub_rank
+    valid = addrs >= 0
+    a = torch.where(valid, addrs, torch.zeros_like(addrs))
+    owner = a % world
+    local = valid & (owner == rank)
+    v = table[torch.where(local, a // world, torch.zeros_like(a))]
+    mine = (v >> SLOT_BITS << PUB_TIER_SHIFT) | (pub_rank << PUB_RANK_SHIFT) | (v & SLOT_MASK)
+    mine = torch.where(v >= 0, mine, torch.full_like(v, -1))
+    remote = (TIER_REMOTE << PUB_TIER_SHIFT) | (owner << PUB_RANK_SHIFT)
+    out = torch.where(local, mine, remote)
+    return torch.where(valid, out, torch.full_like(out, -1))

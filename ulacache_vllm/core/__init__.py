@@ -1,0 +1,17 @@
+"""Engine-free core: logical address space, tiered slot pools, PB-LRU, exact LRU, traces (no vLLM import)."""
+
+from .address_space import LogicalAddressSpace
+from .exact_lru import ListLRU, TimestampLRU
+from .fence import Fence, ManualEvent
+from .mapping import (DEVICE, HOST, PENDING, REMOTE, STAGING, MappingStats, MovePlan,
+                      TieredMapping, unpack)
+from .pblru import PBLRU
+from .placement import Placement
+from .pools import CapacityError, SlotPool
+from .store import RowStore
+
+__all__ = [
+    "LogicalAddressSpace", "ListLRU", "TimestampLRU", "Fence", "ManualEvent", "DEVICE", "HOST",
+    "PENDING", "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
+    "PBLRU", "Placement", "CapacityError", "SlotPool", "RowStore",
+]

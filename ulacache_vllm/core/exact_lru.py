@@ -1,0 +1,93 @@
+"""Exact-LRU baselines with the PB-LRU interface, for hit-rate and speed comparisons.
+
+``TimestampLRU``: one timestamp per slot, victims by a whole-pool scan (``topk`` smallest), as
+the published PB-LRU design compares against. ``ListLRU``: an O(1)-per-slot doubly linked list
+(CPython's ``OrderedDict``, a C linked list + hash, i.e. vLLM's free-block queue done in C).
+Both refuse to evict slots used in the current round, like PB-LRU.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .policy import EvictionPolicy
+from .pools import CapacityError
+
+_UNTRACKED = torch.iinfo(torch.int64).max
+
+
+class TimestampLRU(EvictionPolicy):
+    name = "exact_ts"
+
+    def __init__(self, num_slots: int, device: torch.device):
+        self.device = device
+        self.last = torch.full((num_slots,), _UNTRACKED, dtype=torch.int64, device=device)
+        self.tick = 0
+        self.round_start = 1
+
+    def touch(self, slots):
+        if slots.numel():
+            self.tick += 1
+            self.last[slots] = self.tick
+
+    def select_victims(self, k: int) -> torch.Tensor:
+        if k <= 0:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if k > self.last.numel():
+            raise CapacityError(f"need {k} victims from a pool of {self.last.numel()}")
+        vals, idx = torch.topk(self.last, k, largest=False, sorted=False)
+        if bool((vals >= self.round_start).any()):
+            raise CapacityError(f"need {k} device victims outside the current round")
+        self.last[idx] = _UNTRACKED
+        return idx
+
+    def release(self, slots):
+        if slots.numel():
+            self.last[slots] = _UNTRACKED
+
+    def advance_round(self) -> None:
+        self.round_start = self.tick + 1
+
+
+class ListLRU(EvictionPolicy):
+    name = "exact_list"
+
+    def __init__(self, num_slots: int, device: torch.device):
+        self.device = device
+        self.od: OrderedDict[int, int] = OrderedDict()  # slot -> round of last use, LRU first
+        self.round = 0
+
+    def touch(self, slots):
+        od, r = self.od, self.round
+        mte = od.move_to_end
+        for s in slots.tolist():
+            od[s] = r
+            mte(s)
+
+    def select_victims(self, k: int) -> torch.Tensor:
+        od, out = self.od, []
+        popitem = od.popitem
+        try:
+            for _ in range(k):
+                s, r = popitem(last=False)
+                out.append((s, r))
+                if r == self.round:
+                    raise CapacityError(f"need {k} device victims outside the current round")
+        except (KeyError, CapacityError) as e:
+            for s, r in reversed(out):  # restore the queue before failing
+                od[s] = r
+                od.move_to_end(s, last=False)
+            if isinstance(e, KeyError):
+                raise CapacityError(f"need {k} victims, only {len(out)} tracked") from None
+            raise
+        return torch.tensor([s for s, _ in out], dtype=torch.int64, device=self.device)
+
+    def release(self, slots):
+        pop = self.od.pop
+        for s in slots.tolist():
+            pop(s, None)
+
+    def advance_round(self) -> None:
+        self.round += 1

@@ -1,0 +1,396 @@
+"""Tiered mapping table of one layer group: logical address -> (tier, rank, slot).
+
+Exclusive residency: a live entry is in exactly one of the device pool or the host pool. One
+shared device pool serves every request (no quota); an eviction policy (PB-LRU or an exact LRU)
+picks device victims, which are demoted to the host.
+
+Two tables: ``loc`` is the bookkeeping location (updated when a move is planned) and
+``visible`` is what ``resolve`` returns. An entry being moved reads as PENDING in ``visible``
+until its plan is committed, and a plan commits only after its copy is done -- the ordering
+rule *copy data -> update mapping -> signal*. Plans must be applied in creation order (one
+stream); commits happen in that order too.
+
+Internal table values: -1 unmapped, else ``tier << 32 | slot``. Public packed locations
+(``resolve``): ``tier << 48 | rank << 32 | slot``, -1 for padding/unmapped; see ``unpack``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from ulacache_vllm import kernels as K
+from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
+
+from .exact_lru import ListLRU, TimestampLRU
+from .fence import Fence
+from .pblru import PBLRU
+from .placement import Placement
+from .policy import EvictionPolicy
+from .pools import CapacityError, SlotPool
+
+DEVICE, HOST, PENDING, REMOTE = 0, 1, 2, 3
+STAGING = 4  # copy_fn tier: engine-provided scratch rows, indices 0..plan.num_staged-1
+_I64MAX = torch.iinfo(torch.int64).max
+
+CopyFn = Callable[[int, torch.Tensor, int, torch.Tensor], object]
+
+
+def unpack(packed: torch.Tensor):
+    """Public packed location -> ``(tier, rank, slot)``; all -1 for -1, slot -1 if not local."""
+    neg = packed < 0
+    tier = torch.where(neg, -1, packed >> 48)
+    rank = torch.where(neg, -1, (packed >> 32) & 0xFFFF)
+    slot = torch.where(neg | (tier >= PENDING), -1, packed & SLOT_MASK)
+    return tier, rank, slot
+
+
+@dataclass
+class MappingStats:
+    lookups: int = 0        # unique entries asked for by ensure_resident
+    hits: int = 0           # ... already on the device
+    promotions: int = 0     # host -> device rows
+    demotions: int = 0      # device -> host rows
+    staged: int = 0         # promotions routed through staging (host full)
+    assigned: int = 0
+    freed: int = 0
+    plans: int = 0
+    policy_time_s: float = 0.0  # only accumulated with profile=True
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass
+class MovePlan:
+    """Rows to move, in int64 tensors; apply with ``plan.apply(copy_fn)``.
+
+    Ordering inside ``apply`` (exclusive residency with a full host may make a demotion target
+    a host slot that a promotion of the same plan reads): (1) the first ``num_staged``
+    promotions copy HOST->STAGING, (2) all demotions DEVICE->HOST, (3) the other promotions
+    HOST->DEVICE, (4) STAGING->DEVICE for the staged ones. Then the mapping commits and the
+    fence is signalled.
+    """
+
+    demote_src_device: torch.Tensor
+    demote_dst_host: torch.Tensor
+    promote_src_host: torch.Tensor
+    promote_dst_device: torch.Tensor
+    num_staged: int = 0
+    fence: Fence = field(default_factory=Fence)
+    plan_id: int = 0
+    _entries: Optional[torch.Tensor] = None
+    _new_vals: Optional[torch.Tensor] = None
+    _mapping: Optional["TieredMapping"] = None
+    state: str = "planned"  # planned -> copied -> committed
+
+    @property
+    def empty(self) -> bool:
+        return self._entries is None or self._entries.numel() == 0
+
+    def apply(self, copy_fn: CopyFn) -> "MovePlan":
+        return self._mapping.apply(self, copy_fn)
+
+
+def make_policy(lru: str, num_slots: int, device, ring_size: int) -> EvictionPolicy:
+    if lru == "pblru":
+        return PBLRU(num_slots, device, ring_size=ring_size)
+    if lru == "exact_ts":
+        return TimestampLRU(num_slots, device)
+    if lru == "exact_list":
+        return ListLRU(num_slots, device)
+    raise ValueError(f"lru must be pblru|exact_ts|exact_list, got {lru!r}")
+
+
+class _TimedPolicy(EvictionPolicy):
+    """Wraps a policy and accumulates wall time of its calls into ``stats.policy_time_s``."""
+
+    def __init__(self, inner: EvictionPolicy, stats: MappingStats):
+        self.inner, self.stats, self.name = inner, stats, inner.name
+
+    def _t(self, fn, *a):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a)
+        finally:
+            self.stats.policy_time_s += time.perf_counter() - t0
+
+    def hit_touch(self, v):
+        return self._t(self.inner.hit_touch, v)
+
+    def touch(self, s):
+        return self._t(self.inner.touch, s)
+
+    def select_victims(self, k):
+        return self._t(self.inner.select_victims, k)
+
+    def release(self, s):
+        return self._t(self.inner.release, s)
+
+    def advance_round(self):
+        return self._t(self.inner.advance_round)
+
+
+class TieredMapping:
+    def __init__(self, num_logical: int, device_slots: int, host_slots: int, *,
+                 device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
+                 placement: str = "dp", lru: str = "pblru", ring_size: int = 8,
+                 profile: bool = False):
+        if max(device_slots, host_slots) >= 1 << SLOT_BITS:
+            raise ValueError("pools are limited to 2**32 slots")
+        self.device = torch.device(device)
+        self.placement = Placement(placement, rank, world_size)
+        self.num_logical = num_logical
+        n = self.placement.num_local(num_logical)
+        self.loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        self._last_plan = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._claim = torch.full((n,), _I64MAX, dtype=torch.int64, device=self.device)
+        self.dev = SlotPool(device_slots, self.device)
+        self.host = SlotPool(host_slots, self.device)
+        self.stats = MappingStats()
+        policy = make_policy(lru, device_slots, self.device, ring_size)
+        self.policy = _TimedPolicy(policy, self.stats) if profile else policy
+        self._pending: deque[MovePlan] = deque()
+        self._next_plan = 1
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def device_used(self) -> int:
+        return self.dev.num_used
+
+    @property
+    def host_used(self) -> int:
+        return self.host.num_used
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def _local_unique(self, addrs: torch.Tensor):
+        """``(is_local, local_idx, unique_local_idx)``; dedup in O(n) via a claim table."""
+        addrs = addrs.to(self.device, torch.int64).reshape(-1)
+        is_local, idx = self.placement.local(addrs)
+        sel = idx[is_local]
+        if sel.numel() <= 1:
+            return is_local, idx, sel
+        pos = torch.arange(sel.numel(), device=self.device)
+        self._claim.scatter_reduce_(0, sel, pos, "amin")
+        keep = self._claim[sel] == pos
+        self._claim[sel] = _I64MAX
+        return is_local, idx, sel[keep]
+
+    def _slots_out(self, is_local, idx) -> torch.Tensor:
+        safe = torch.where(is_local, idx, torch.zeros_like(idx))
+        return torch.where(is_local, self.loc[safe] & SLOT_MASK, torch.full_like(idx, -1))
+
+    def _release(self, u: torch.Tensor) -> int:
+        lv = self.loc[u]
+        mapped = lv >= 0
+        tier = lv >> SLOT_BITS
+        dev_slots = (lv & SLOT_MASK)[mapped & (tier == DEVICE)]
+        host_slots = (lv & SLOT_MASK)[mapped & (tier == HOST)]
+        self.policy.release(dev_slots)
+        self.dev.release(dev_slots)
+        self.host.release(host_slots)
+        self.loc[u] = -1
+        self.visible[u] = -1
+        self._last_plan[u] = 0
+        return dev_slots.numel() + host_slots.numel()
+
+    def _new_plan(self, dsrc, ddst, psrc, pdst, staged, entries, new_vals):
+        plan = MovePlan(dsrc, ddst, psrc, pdst, staged, plan_id=self._next_plan,
+                        _entries=entries, _new_vals=new_vals, _mapping=self)
+        self._next_plan += 1
+        self.visible[entries] = PENDING << SLOT_BITS
+        self._last_plan[entries] = plan.plan_id
+        self._pending.append(plan)
+        self.stats.plans += 1
+        return plan
+
+    def _empty_plan(self) -> MovePlan:
+        e = self._empty
+        plan = MovePlan(e, e, e, e, 0, _entries=e, _new_vals=e, _mapping=self, state="committed")
+        plan.fence.signal()
+        return plan
+
+    def _victims_to_host(self, k: int, new_entries: torch.Tensor, promote_src=None):
+        """Pick ``k`` device victims, hand their slots to ``new_entries``, give them host slots.
+
+        Host slots come from the free host pool first, then from ``promote_src`` (host slots
+        this same plan vacates; those promotions are staged). Returns
+        ``(victim_slots, victim_entries, host_dst, num_staged)``.
+        """
+        spare = 0 if promote_src is None else promote_src.numel()
+        if k > self.host.num_free + spare:
+            raise CapacityError(f"host pool full: {k} demotions, {self.host.num_free} free host slots")
+        victims = self.policy.select_victims(k)
+        ventries = self.dev.owner[victims]
+        self.dev.take(victims, new_entries)
+        hf = min(k, self.host.num_free)
+        h1 = self.host.alloc(ventries[:hf])
+        c = k - hf
+        if c:
+            h2 = promote_src[:c]
+            self.host.take(h2, ventries[hf:])
+            hdst = torch.cat([h1, h2])
+        else:
+            hdst = h1
+        self.loc[ventries] = (HOST << SLOT_BITS) | hdst
+        self.stats.demotions += k
+        self.stats.staged += c
+        return victims, ventries, hdst, c
+
+    # ------------------------------------------------------------------ API
+    def assign(self, addrs: torch.Tensor):
+        """Give newly written entries device slots (re-assigning releases the old entry first).
+
+        Returns ``(device_slots, plan)``; ``device_slots`` is aligned with ``addrs`` (-1 for
+        padding / non-owned). Apply ``plan`` (victims demoted to host) before writing the rows.
+        """
+        self.poll()
+        is_local, idx, u = self._local_unique(addrs)
+        if u.numel() == 0:
+            return self._slots_out(is_local, idx), self._empty_plan()
+        self._release(u)
+        n = u.numel()
+        f = min(n, self.dev.num_free)
+        k = n - f
+        free_slots = self.dev.alloc(u[:f])
+        self.loc[u[:f]] = free_slots
+        self.visible[u[:f]] = free_slots
+        self.stats.assigned += n
+        if k == 0:
+            self.policy.touch(free_slots)
+            return self._slots_out(is_local, idx), self._empty_plan()
+        late = u[f:]
+        victims, ventries, hdst, _ = self._victims_to_host(k, late)
+        self.loc[late] = victims
+        self.policy.touch(torch.cat([free_slots, victims]))
+        e = self._empty
+        # New entries on victim slots stay PENDING until the demotion has copied the old rows.
+        plan = self._new_plan(victims, hdst, e, e, 0, torch.cat([ventries, late]),
+                              torch.cat([(HOST << SLOT_BITS) | hdst, victims]))
+        return self._slots_out(is_local, idx), plan
+
+    def ensure_resident(self, addrs: torch.Tensor):
+        """Make the selected entries device-resident; duplicates and -1 padding allowed.
+
+        Hits are touched (current round); misses are promoted, evicting victims that were not
+        used in the current round (so never anything of this call). Returns
+        ``(device_slots, plan)`` with ``device_slots`` aligned with ``addrs``.
+        Raises ``CapacityError`` when the round's working set exceeds the device pool and
+        ``KeyError`` for addresses that were never assigned.
+        """
+        self.poll()
+        is_local, idx, u = self._local_unique(addrs)
+        lv = self.loc[u]
+        hit, _ = self.policy.hit_touch(lv)
+        miss = u[~hit]
+        m = miss.numel()
+        self.stats.lookups += u.numel()
+        self.stats.hits += u.numel() - m
+        if m == 0:
+            return self._slots_out(is_local, idx), self._empty_plan()
+        mv = self.loc[miss]
+        if bool(((mv >> SLOT_BITS) != HOST).any()):
+            raise KeyError("ensure_resident: some addresses were never assigned (or were freed)")
+        psrc = mv & SLOT_MASK
+        f = min(m, self.dev.num_free)
+        k = m - f
+        free_slots = self.dev.alloc(miss[:f])
+        e = self._empty
+        if k:
+            victims, ventries, hdst, c = self._victims_to_host(k, miss[f:], psrc)
+            pdst = torch.cat([free_slots, victims])
+        else:
+            victims, ventries, hdst, c, pdst = e, e, e, 0, free_slots
+        self.host.release(psrc[c:])  # the first c were re-owned by demotions
+        self.loc[miss] = pdst
+        self.policy.touch(pdst)
+        self.stats.promotions += m
+        plan = self._new_plan(victims, hdst, psrc, pdst, c, torch.cat([miss, ventries]),
+                              torch.cat([pdst, (HOST << SLOT_BITS) | hdst]))
+        return self._slots_out(is_local, idx), plan
+
+    def free(self, addrs: torch.Tensor) -> int:
+        """Release entries (device or host); never-assigned addresses are ignored."""
+        self.poll()
+        _, _, u = self._local_unique(addrs)
+        n = self._release(u) if u.numel() else 0
+        self.stats.freed += n
+        return n
+
+    def advance_round(self) -> None:
+        """End of a scheduling round: the policy's ring advances."""
+        self.policy.advance_round()
+
+    def resolve(self, addrs: torch.Tensor) -> torch.Tensor:
+        """Public packed locations (see ``unpack``); in-flight entries read PENDING."""
+        self.poll()
+        addrs = addrs.to(self.device, torch.int64)
+        pl = self.placement
+        return K.translate(addrs.reshape(-1), self.visible, pl.owner_rank, pl.stride,
+                           pl.rank).reshape(addrs.shape)
+
+    # ------------------------------------------------------------ ordering rule
+    def apply(self, plan: MovePlan, copy_fn: CopyFn) -> MovePlan:
+        """Copy data, then (once the copy is done) update the mapping, then signal the fence.
+
+        ``copy_fn(src_tier, src_slots, dst_tier, dst_slots)`` copies rows of every layer of
+        the group and may return an event with ``query()`` for an asynchronous copy; the
+        mapping then commits on a later ``poll()`` (every API call polls).
+        """
+        if plan.state != "planned":
+            return plan
+        if plan._mapping is not self:
+            raise ValueError("plan belongs to another mapping")
+        c, ev = plan.num_staged, None
+        stage_idx = torch.arange(c, device=self.device)
+
+        def run(*a):
+            nonlocal ev
+            if a[1].numel():
+                r = copy_fn(*a)
+                ev = r if r is not None else ev
+
+        if c:
+            run(HOST, plan.promote_src_host[:c], STAGING, stage_idx)
+        run(DEVICE, plan.demote_src_device, HOST, plan.demote_dst_host)
+        run(HOST, plan.promote_src_host[c:], DEVICE, plan.promote_dst_device[c:])
+        if c:
+            run(STAGING, stage_idx, DEVICE, plan.promote_dst_device[:c])
+        plan.fence.event = ev
+        plan.state = "copied"
+        self.poll()
+        return plan
+
+    def poll(self) -> None:
+        """Commit, in creation order, every applied plan whose copy has finished."""
+        while self._pending:
+            plan = self._pending[0]
+            if plan.state != "copied" or not plan.fence.copy_done():
+                return
+            self._pending.popleft()
+            self._commit(plan)
+
+    def _commit(self, plan: MovePlan) -> None:
+        e, v = plan._entries, plan._new_vals
+        # Skip entries freed or moved again by a later plan since this one was made.
+        ok = (self._last_plan[e] == plan.plan_id) & (self.loc[e] == v)
+        self.visible[e[ok]] = v[ok]
+        plan.state = "committed"
+        plan.fence.signal()
+
+    def sync(self) -> None:
+        """Wait for every applied plan's copy and commit them (un-applied plans stay pending)."""
+        for plan in list(self._pending):
+            if plan.state == "copied":
+                plan.fence.wait()
+        self.poll()
