@@ -81,7 +81,9 @@ FAMILIES: dict[str, Family] = {
         "GlmMoeDsaConfig",
         "GlmMoeDsaForCausalLM",
         {**_DS_COMMON, **_DSA, "rms_norm_eps": 1e-5},
-        extra_json=_DS_ROUTER_JSON,
+        # HF's GLM indexer applies interleaved RoPE; vLLM reads this flag (default False,
+        # DeepSeek-V3.2's half-split style) to match it.
+        extra_json={**_DS_ROUTER_JSON, "indexer_rope_interleave": True},
         dsa=True,
         mla=True,
     ),

@@ -72,36 +72,30 @@ def _random_weights(config, d: Path, seed: int) -> None:
     model.save_pretrained(str(d), safe_serialization=True)
 
 
-def _copied_weights(config, d: Path, src: Path) -> list[str]:
-    """Save the source's tensors that the target model has; return the names dropped."""
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, GenerationConfig
+def _copy_weights(d: Path, src: Path) -> list[str]:
+    """Replace ``d``'s freshly saved weights by the source's tensors of the same names.
 
-    with torch.device("meta"):
-        target = AutoModelForCausalLM.from_config(config)
-    # HF checkpoint names (what save_pretrained writes); meta model keys match them for
-    # these families because their tensors are saved unconverted.
-    want = {k: tuple(v.shape) for k, v in target.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        want.pop("lm_head.weight", None)
-    src_files = sorted(src.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
-    for f in src_files:
+    The target was first saved with random weights so that its checkpoint names and shapes
+    are exactly what save_pretrained writes (transformers fuses some tensors in memory, e.g.
+    MoE experts, and splits them again on save). Returns the source tensors dropped.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(d / WEIGHTS), "pt") as f:
+        want = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
         tensors.update(load_file(str(f)))
     missing = sorted(set(want) - set(tensors))
     if missing:
-        raise ValueError(f"weights_from {src} lacks tensors: {missing[:5]}...")
+        raise ValueError(f"weights_from {src} lacks tensors: {missing[:5]}")
     for k, shape in want.items():
         if tuple(tensors[k].shape) != shape:
             raise ValueError(f"{k}: source shape {tuple(tensors[k].shape)} != {shape}")
-    dropped = sorted(set(tensors) - set(want))
     save_file({k: tensors[k].contiguous() for k in sorted(want)}, str(d / WEIGHTS),
               metadata={"format": "pt"})
-    config.dtype = "bfloat16"
-    config.save_pretrained(str(d))
-    GenerationConfig.from_model_config(config).save_pretrained(str(d))
-    return dropped
+    return sorted(set(tensors) - set(want))
 
 
 def build_model(
@@ -143,10 +137,9 @@ def build_model(
         tmp.chmod(0o755)  # mkdtemp makes it private; the model dir is meant to be shared
         special_ids = save_tokenizer(tmp, kwargs["vocab_size"])
         config = _make_config(name, kwargs, special_ids)
-        if src is None:
-            _random_weights(config, tmp, seed)
-        else:
-            info["dropped_tensors"] = _copied_weights(config, tmp, src)
+        _random_weights(config, tmp, seed)
+        if src is not None:
+            info["dropped_tensors"] = _copy_weights(tmp, src)
         _finish_config(name, tmp, kwargs)
         _write_json(tmp / BUILD_INFO, info)
         if out.exists():
