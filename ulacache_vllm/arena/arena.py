@@ -1,0 +1,287 @@
+"""The arena: one byte range per rank holding every kind's pages at their natural size.
+
+Full-attention kinds grow down from the top (HIGH band), window and recurrent-state kinds up
+from byte 0 (LOW band), the free middle between them; no ratio or partition is fixed. Callers
+hold virtual page ids (stable across moves) and ask :meth:`Arena.v2p` for byte offsets; every
+move comes back as a :class:`~.copy_plan.CopyPlan`. The arena never touches the bytes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Callable
+
+import numpy as np
+
+from . import bands
+from .admission import AdmitResult, run_ladder
+from .copy_plan import CopyPlan
+from .free_space import FreeSpace
+from .kinds import Band, KindSpec
+from .ledger import Fence, Ledger
+from .virtual_ids import VirtualIds
+
+class Arena:
+    def __init__(self, total_bytes: int, kinds: list[KindSpec], *, alignment: int = 256) -> None:
+        if alignment <= 0:
+            raise ValueError("alignment must be positive")
+        names = [k.name for k in kinds]
+        if len(set(names)) != len(names) or not kinds:
+            raise ValueError(f"kinds must be non-empty with unique names: {names}")
+        self.alignment = alignment
+        self.total_bytes = total_bytes // alignment * alignment
+        self.kinds = list(kinds)
+        self.page_bytes = [k.page_bytes(alignment) for k in kinds]
+        self._kind_index = {k.name: i for i, k in enumerate(kinds)}
+        self._space = FreeSpace(self.total_bytes)
+        self._ids = VirtualIds()
+        self.ledger = Ledger(self._page_size_at, self._release_bytes)
+        self._requests: dict[Hashable, dict[int, list[int]]] = {}
+        self.stats = {"admitted": 0, "grown": 0, "shortfalls": 0, "compactions": 0,
+                      "relayouts": 0, "bytes_copied": 0, "pages_moved": 0}
+
+    # -- kinds & queries ------------------------------------------------------------------------
+    def kind_index(self, kind) -> int:
+        if isinstance(kind, KindSpec):
+            kind = kind.name
+        if isinstance(kind, (int, np.integer)):
+            if not 0 <= kind < len(self.kinds):
+                raise KeyError(kind)
+            return int(kind)
+        return self._kind_index[kind]
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes free now (excludes bytes withheld by the ledger)."""
+        return self._space.free_bytes
+
+    @property
+    def pending_bytes(self) -> int:
+        return self.ledger.pending_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self.total_bytes - self.free_bytes - self.pending_bytes
+
+    @property
+    def band_bounds(self) -> tuple[int, int]:
+        """(low_top, high_bottom): the free middle is the byte range between them."""
+        return self._space.low_top, self._space.high_bottom
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        return self._space.extents()
+
+    def largest_free_extent(self) -> int:
+        return self._space.largest()
+
+    def requests(self) -> list[Hashable]:
+        return list(self._requests)
+
+    def pages(self, request_id: Hashable, kind) -> np.ndarray:
+        """Virtual page ids a request holds for ``kind``, in allocation order."""
+        return np.asarray(self._requests[request_id].get(self.kind_index(kind), []), dtype=np.int64)
+
+    def v2p(self, vids) -> np.ndarray:
+        """Physical byte offsets of virtual page ids."""
+        return self._ids.v2p(vids)
+
+    def p2v(self, offsets) -> np.ndarray:
+        return self._ids.p2v(offsets)
+
+    def live_pages(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(vids, offsets, page bytes) of every live page."""
+        vids, offs, kinds = self._ids.live()
+        return vids, offs, np.asarray(self.page_bytes, dtype=np.int64)[kinds]
+
+    def usage_by_kind(self) -> dict[str, int]:
+        _, _, kinds = self._ids.live()
+        counts = np.bincount(kinds, minlength=len(self.kinds))
+        return {k.name: int(c) * self.page_bytes[i] for i, (k, c) in enumerate(zip(self.kinds, counts))}
+
+    # -- ledger ---------------------------------------------------------------------------------
+    def fence(self, label: str = "", query: Callable[[], bool] | None = None) -> Fence:
+        return self.ledger.fence(label, query)
+
+    def register_use(self, vids, fence: Fence) -> None:
+        """A user (forward step, tier copy, transfer) of these pages until ``fence`` passes."""
+        self.ledger.register(self.v2p(vids), fence)
+
+    # -- request operations ---------------------------------------------------------------------
+    def admit(self, request_id: Hashable, demands: Mapping) -> AdmitResult:
+        """All-or-nothing: ``demands`` maps kind -> pages. On success the request holds them."""
+        if request_id in self._requests:
+            raise KeyError(f"request {request_id!r} already admitted")
+        dem = self._demands(demands)
+        res = self._ladder(dem)
+        if res.ok:
+            self._requests[request_id] = {k: v.tolist() for k, v in self._by_index(res).items()}
+            self.stats["admitted"] += 1
+        return res
+
+    def grow(self, request_id: Hashable, kind, n: int) -> AdmitResult:
+        """Add ``n`` pages of ``kind`` to an admitted request (all or nothing)."""
+        held = self._requests[request_id]
+        k = self.kind_index(kind)
+        res = self._ladder({k: int(n)})
+        if res.ok:
+            held.setdefault(k, []).extend(self._by_index(res).get(k, np.zeros(0, np.int64)).tolist())
+            self.stats["grown"] += 1
+        return res
+
+    def shrink(self, request_id: Hashable, kind, vids) -> None:
+        """Release some pages of a request (e.g. window pages that slid out of the window)."""
+        held = self._requests[request_id].setdefault(self.kind_index(kind), [])
+        drop = set(np.asarray(vids, dtype=np.int64).tolist())
+        if not drop <= set(held):
+            raise KeyError(f"request {request_id!r} does not hold {sorted(drop - set(held))[:8]}")
+        held[:] = [v for v in held if v not in drop]
+        self._release(np.fromiter(drop, np.int64, len(drop)))
+
+    def free(self, request_id: Hashable) -> None:
+        held = self._requests.pop(request_id)
+        vids = [v for vs in held.values() for v in vs]
+        self._release(np.asarray(vids, dtype=np.int64))
+
+    # -- movement -------------------------------------------------------------------------------
+    def compact(self) -> CopyPlan:
+        """Step 2: fill each band's holes with that band's farthest movable pages (one step)."""
+        rows, srcs = [], []
+        vids_all, offs_all, kinds_all = self._ids.live()
+        for band in (Band.LOW, Band.HIGH):
+            holes = [self._b(band, a, b) for a, b in self._space.holes(band)]
+            for k in self._band_kinds(band):
+                size = self.page_bytes[k]
+                sel = kinds_all == k
+                vids, offs = vids_all[sel], offs_all[sel]
+                movable = ~self.ledger.busy_mask(offs)
+                vids, offs = vids[movable], offs[movable]
+                if not len(vids) or not holes:
+                    continue
+                boffs = bands.to_band(band, self.total_bytes, offs, size)
+                idx, bdst, taken, holes = bands.plan_fill_holes(holes, boffs, size)
+                if not len(idx):
+                    continue
+                for a, nbytes in taken:
+                    start = a if band is Band.LOW else self.total_bytes - a - nbytes
+                    self._space.remove(start, nbytes, band)
+                dst = bands.to_band(band, self.total_bytes, bdst, size)
+                src = offs[idx]
+                self._ids.move(vids[idx], dst)
+                rows.append(np.stack([src, dst, np.full(len(src), size, np.int64)], axis=1))
+                srcs.extend((int(s), size) for s in src)
+        # Sources become free only now, so no copy of this step writes bytes another reads.
+        for s, size in srcs:
+            self._space.add(s, size)
+        plan = CopyPlan([np.concatenate(rows)] if rows else [])
+        self._count_moves(plan, "compactions")
+        return plan
+
+    def relayout(self) -> CopyPlan:
+        """Step 3: slide every movable page of each band to the band's base (ordered steps)."""
+        vids_all, offs_all, kinds_all = self._ids.live()
+        sizes_all = np.asarray(self.page_bytes, dtype=np.int64)[kinds_all] if len(kinds_all) else \
+            np.zeros(0, np.int64)
+        band_of = np.array([k.band is Band.HIGH for k in self.kinds])
+        per_band_steps = []
+        pending = self.ledger.pending()
+        for band in (Band.LOW, Band.HIGH):
+            sel = band_of[kinds_all] == (band is Band.HIGH) if len(kinds_all) else np.zeros(0, bool)
+            vids, offs, sizes = vids_all[sel], offs_all[sel], sizes_all[sel]
+            movable = ~self.ledger.busy_mask(offs)
+            wo = [(o, n) for o, (n, b) in pending.items() if b is band]
+            objs = np.concatenate([offs, np.array([o for o, _ in wo], np.int64)])
+            osz = np.concatenate([sizes, np.array([n for _, n in wo], np.int64)])
+            mov = np.concatenate([movable, np.zeros(len(wo), bool)])
+            moves, steps = bands.plan_slide(bands.to_band(band, self.total_bytes, objs, osz), osz, mov)
+            for i, bdst in moves:
+                n = int(osz[i])
+                dst = bdst if band is Band.LOW else self.total_bytes - bdst - n
+                self._space.add(int(objs[i]), n)
+                self._space.remove(dst, n, band)
+                self._ids.move(vids[i:i + 1], np.array([dst], np.int64))
+            per_band_steps.append([bands.mirror_copies(band, self.total_bytes, s) for s in steps])
+        low, high = per_band_steps
+        # The bands never share bytes, so their k-th steps can run together.
+        merged = [np.concatenate([s for s in pair if s is not None and len(s)])
+                  for pair in _zip_longest(low, high)]
+        plan = CopyPlan(merged)
+        self._count_moves(plan, "relayouts")
+        return plan
+
+    # -- internals ------------------------------------------------------------------------------
+    def _b(self, band: Band, a: int, b: int) -> tuple[int, int]:
+        return (a, b) if band is Band.LOW else (self.total_bytes - b, self.total_bytes - a)
+
+    def _band_kinds(self, band: Band) -> list[int]:
+        # Largest pages first: they have the fewest holes that fit them.
+        return sorted((i for i, k in enumerate(self.kinds) if k.band is band),
+                      key=lambda i: -self.page_bytes[i])
+
+    def _demands(self, demands: Mapping) -> dict[int, int]:
+        dem: dict[int, int] = {}
+        for k, n in demands.items():
+            if int(n) < 0:
+                raise ValueError(f"negative demand for {k!r}")
+            dem[self.kind_index(k)] = dem.get(self.kind_index(k), 0) + int(n)
+        return dem
+
+    def _try_place(self, demands: dict[int, int]) -> tuple[dict[int, np.ndarray] | None, int]:
+        done: list[tuple[int, int, Band]] = []
+        placed: dict[int, np.ndarray] = {}
+        for band in (Band.LOW, Band.HIGH):
+            for k in self._band_kinds(band):
+                n = demands.get(k, 0)
+                if not n:
+                    continue
+                got = bands.place(self._space, band, n, self.page_bytes[k])
+                if got is None:
+                    for start, nbytes, b in reversed(done):
+                        self._space.add(start, nbytes)
+                    unplaced = sum(demands[j] * self.page_bytes[j] for j in demands
+                                   if j not in placed)
+                    return None, unplaced
+                offs, taken = got
+                done.extend((s, nb, band) for s, nb in taken)
+                placed[k] = np.concatenate(offs)
+        return placed, 0
+
+    def _ladder(self, dem: dict[int, int]) -> AdmitResult:
+        placed, plan, step, shortfall = run_ladder(self, dem)
+        if placed is None:
+            self.stats["shortfalls"] += 1
+            return AdmitResult(False, {}, plan, shortfall, step)
+        vids = {self.kinds[k].name: self._ids.allocate(offs, k) for k, offs in placed.items()}
+        for k, n in dem.items():
+            vids.setdefault(self.kinds[k].name, np.zeros(0, np.int64))
+        return AdmitResult(True, vids, plan, 0, step)
+
+    def _by_index(self, res: AdmitResult) -> dict[int, np.ndarray]:
+        return {self._kind_index[name]: v for name, v in res.virtual_page_ids.items()}
+
+    def _release(self, vids: np.ndarray) -> None:
+        if not len(vids):
+            return
+        kinds = self._ids.kind_of(vids)
+        offs = self._ids.release(vids)
+        for off, k in zip(offs.tolist(), kinds.tolist()):
+            size, band = self.page_bytes[k], self.kinds[k].band
+            if not self.ledger.withhold(off, size, band):
+                self._space.add(off, size)
+
+    def _release_bytes(self, offset: int, nbytes: int, band) -> None:
+        self._space.add(offset, nbytes)
+
+    def _page_size_at(self, offset: int) -> int:
+        vid = int(self._ids.p2v([offset])[0])
+        return self.page_bytes[int(self._ids.kind_of([vid])[0])]
+
+    def _count_moves(self, plan: CopyPlan, counter: str) -> None:
+        if plan:
+            self.stats[counter] += 1
+            self.stats["bytes_copied"] += plan.nbytes
+            self.stats["pages_moved"] += len(plan)
+
+
+def _zip_longest(a: list, b: list):
+    for i in range(max(len(a), len(b))):
+        yield (a[i] if i < len(a) else None, b[i] if i < len(b) else None)

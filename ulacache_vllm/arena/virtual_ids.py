@@ -1,0 +1,80 @@
+"""Virtual page ids: stable handles for callers, with the v2p / p2v tables that change on moves.
+
+Callers (block tables, prefix cache, connectors) hold virtual ids only; compaction and relayout
+rewrite ``v2p`` and ``p2v`` here and nowhere else. Freed ids are recycled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+UNMAPPED = -1
+
+
+class VirtualIds:
+    def __init__(self, capacity: int = 1024) -> None:
+        self._v2p = np.full(capacity, UNMAPPED, dtype=np.int64)
+        self._kind = np.full(capacity, -1, dtype=np.int32)
+        self._p2v: dict[int, int] = {}
+        self._free: list[int] = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._p2v)
+
+    def _grow(self, need: int) -> None:
+        old = len(self._v2p)
+        new = max(2 * old, old + need)
+        self._v2p = np.concatenate([self._v2p, np.full(new - old, UNMAPPED, np.int64)])
+        self._kind = np.concatenate([self._kind, np.full(new - old, -1, np.int32)])
+        self._free[:0] = range(new - 1, old - 1, -1)
+
+    def allocate(self, offsets: np.ndarray, kind: int) -> np.ndarray:
+        n = len(offsets)
+        if n > len(self._free):
+            self._grow(n - len(self._free))
+        vids = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
+        del self._free[len(self._free) - n:]
+        self._v2p[vids] = offsets
+        self._kind[vids] = kind
+        for v, p in zip(vids.tolist(), np.asarray(offsets).tolist()):
+            self._p2v[p] = v
+        return vids
+
+    def release(self, vids: np.ndarray) -> np.ndarray:
+        offs = self.v2p(vids)
+        for p in offs.tolist():
+            del self._p2v[p]
+        self._v2p[vids] = UNMAPPED
+        self._kind[vids] = -1
+        self._free.extend(np.asarray(vids).tolist()[::-1])
+        return offs
+
+    def move(self, vids: np.ndarray, new_offsets: np.ndarray) -> None:
+        old = self.v2p(vids)
+        for p in old.tolist():
+            del self._p2v[p]
+        for v, p in zip(np.asarray(vids).tolist(), np.asarray(new_offsets).tolist()):
+            if p in self._p2v:
+                raise AssertionError(f"physical page {p} already mapped")
+            self._p2v[p] = v
+        self._v2p[vids] = new_offsets
+
+    def v2p(self, vids) -> np.ndarray:
+        vids = np.asarray(vids, dtype=np.int64)
+        if vids.size and (vids.min() < 0 or vids.max() >= len(self._v2p)):
+            raise KeyError("virtual page id out of range")
+        offs = self._v2p[vids]
+        if (offs == UNMAPPED).any():
+            raise KeyError(f"unmapped virtual page ids {vids[offs == UNMAPPED][:8].tolist()}")
+        return offs
+
+    def p2v(self, offsets) -> np.ndarray:
+        return np.array([self._p2v[int(p)] for p in np.asarray(offsets).ravel()], dtype=np.int64)
+
+    def kind_of(self, vids) -> np.ndarray:
+        return self._kind[np.asarray(vids, dtype=np.int64)]
+
+    def live(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(vids, offsets, kind index) of every mapped page."""
+        vids = np.flatnonzero(self._v2p != UNMAPPED)
+        return vids, self._v2p[vids], self._kind[vids]
