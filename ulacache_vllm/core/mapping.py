@@ -262,6 +262,9 @@ class TieredMapping:
         n = u.numel()
         f = min(n, self.dev.num_free)
         k = n - f
+        late = u[f:]
+        if k:  # victims first: a CapacityError must leave the pools untouched
+            victims, ventries, hdst, _ = self._victims_to_host(k, late)
         free_slots = self.dev.alloc(u[:f])
         self.loc[u[:f]] = free_slots
         self.visible[u[:f]] = free_slots
@@ -269,8 +272,6 @@ class TieredMapping:
         if k == 0:
             self.policy.touch(free_slots)
             return self._slots_out(is_local, idx), self._empty_plan()
-        late = u[f:]
-        victims, ventries, hdst, _ = self._victims_to_host(k, late)
         self.loc[late] = victims
         self.policy.touch(torch.cat([free_slots, victims]))
         e = self._empty
@@ -304,13 +305,13 @@ class TieredMapping:
         psrc = mv & SLOT_MASK
         f = min(m, self.dev.num_free)
         k = m - f
-        free_slots = self.dev.alloc(miss[:f])
         e = self._empty
-        if k:
+        if k:  # victims first: a CapacityError must leave the pools untouched
             victims, ventries, hdst, c = self._victims_to_host(k, miss[f:], psrc)
-            pdst = torch.cat([free_slots, victims])
         else:
-            victims, ventries, hdst, c, pdst = e, e, e, 0, free_slots
+            victims, ventries, hdst, c = e, e, e, 0
+        free_slots = self.dev.alloc(miss[:f])
+        pdst = torch.cat([free_slots, victims]) if k else free_slots
         self.host.release(psrc[c:])  # the first c were re-owned by demotions
         self.loc[miss] = pdst
         self.policy.touch(pdst)

@@ -71,8 +71,7 @@ class PBLRU(EvictionPolicy):
 
     def advance_round(self) -> None:
         nxt = self.cur % self.ring_size + 1
-        if nxt != self.cur:
-            self.bm.move_all(nxt, 0)
+        self.bm.move_all(nxt, 0)  # with ring_size 1, nxt is the current bucket itself
         self.cur = nxt
         self._set_order()
 

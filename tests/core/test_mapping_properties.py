@@ -1,0 +1,237 @@
+"""Property tests: random append / select / advance / free sequences over many requests."""
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent, RowStore,
+                                TieredMapping, unpack)
+
+POLICIES = ["pblru", "exact_ts", "exact_list"]
+
+op = st.one_of(
+    st.tuples(st.just("append"), st.integers(0, 5), st.integers(1, 12)),
+    st.tuples(st.just("select"), st.lists(st.integers(0, 5), min_size=1, max_size=3),
+              st.integers(0, 2**31)),
+    st.tuples(st.just("advance")),
+    st.tuples(st.just("free"), st.integers(0, 5)),
+)
+
+
+def check_invariants(m: TieredMapping, store: RowStore, live: dict):
+    addrs = torch.tensor(sorted(live), dtype=torch.int64)
+    S_dev, S_host = m.dev.num_slots, m.host.num_slots
+    # Pools: owner tables and free bitmaps agree with the counts.
+    for pool in (m.dev, m.host):
+        owned = (pool.owner >= 0).sum().item()
+        assert owned == pool.num_used
+        assert pool.free_bits.count() == pool.num_free
+        free_mask = _bits(pool.free_bits.words[0], pool.num_slots)
+        assert not (free_mask & (pool.owner >= 0)).any(), "slot both free and owned"
+    assert m.dev.num_used + m.host.num_used == len(live)
+    if not live:
+        return
+    t, r, s = unpack(m.resolve(addrs))
+    assert set(t.tolist()) <= {DEVICE, HOST}, "a live entry is missing or still pending"
+    key = t * (1 << 40) + s
+    assert key.unique().numel() == len(live), "two live entries share a slot"
+    dev, host = t == DEVICE, t == HOST
+    assert (m.dev.owner[s[dev]] == addrs[dev]).all()
+    assert (m.host.owner[s[host]] == addrs[host]).all()
+    # Data followed every move (including staged swaps).
+    vals = torch.tensor([live[a] for a in addrs.tolist()])
+    got = torch.where(dev, store.bufs[DEVICE][s.clamp(0, S_dev - 1), 0],
+                      store.bufs[HOST][s.clamp(0, S_host - 1), 0])
+    assert torch.equal(got, vals)
+    if m.policy.name == "pblru":
+        b = m.policy.bucket_of()
+        assert ((b >= 0) == (m.dev.owner >= 0)).all(), "occupied slot outside the buckets"
+
+
+def _bits(words, n):
+    sh = torch.arange(64)
+    return (((words[:, None] >> sh) & 1).reshape(-1)[:n]).bool()
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=st.lists(op, min_size=1, max_size=40), lru=st.sampled_from(POLICIES),
+       dev_slots=st.integers(4, 40), host_extra=st.integers(0, 20), ring=st.integers(1, 4))
+def test_random_sequences(ops, lru, dev_slots, host_extra, ring):
+    num_logical = 6 * 64
+    host_slots = 6 * 30 - dev_slots + host_extra  # small extra: the host often fills up
+    m = TieredMapping(num_logical, dev_slots, host_slots, lru=lru, ring_size=ring)
+    store = RowStore(dev_slots, host_slots)
+    lens = {r: 0 for r in range(6)}
+    live: dict[int, int] = {}
+    round_touched: set[int] = set()
+    counter = [1000]
+
+    def value():
+        counter[0] += 1
+        return counter[0]
+
+    for o in ops:
+        if o[0] == "append":
+            _, r, n = o
+            n = min(n, 30 - lens[r], dev_slots // 2)
+            if n <= 0:
+                continue
+            addrs = torch.arange(r * 64 + lens[r], r * 64 + lens[r] + n)
+            before = _dev_slots_of(m, round_touched)
+            try:
+                slots, plan = m.assign(addrs)
+            except CapacityError:
+                check_invariants(m, store, live)
+                continue
+            assert not (set(plan.demote_src_device.tolist()) & before), "evicted a current-round slot"
+            plan.apply(store.copy_fn)
+            vals = [value() for _ in range(n)]
+            store.write(DEVICE, slots, torch.tensor(vals))
+            live.update(zip(addrs.tolist(), vals))
+            lens[r] += n
+            round_touched |= set(addrs.tolist())
+        elif o[0] == "select":
+            _, reqs, seed = o
+            g = torch.Generator().manual_seed(seed)
+            parts = []
+            for r in reqs:
+                if lens[r]:
+                    k = int(torch.randint(1, lens[r] + 1, (1,), generator=g))
+                    parts.append(r * 64 + torch.randint(0, lens[r], (k,), generator=g))
+            if not parts:
+                continue
+            parts.append(torch.tensor([-1]))
+            addrs = torch.cat(parts)  # duplicates + padding on purpose
+            before = _dev_slots_of(m, round_touched)
+            try:
+                slots, plan = m.ensure_resident(addrs)
+            except CapacityError:
+                uniq = set(addrs.tolist()) - {-1}
+                assert len(uniq | round_touched) > dev_slots, "spurious CapacityError"
+                check_invariants(m, store, live)
+                continue
+            assert not (set(plan.demote_src_device.tolist()) & before), "evicted a current-round slot"
+            assert (slots[addrs < 0] == -1).all()
+            plan.apply(store.copy_fn)
+            ok = addrs >= 0
+            t, _, s = unpack(m.resolve(addrs[ok]))
+            assert (t == DEVICE).all() and torch.equal(s, slots[ok])
+            round_touched |= set(addrs[ok].tolist())
+        elif o[0] == "advance":
+            m.advance_round()
+            round_touched = set()
+        else:
+            r = o[1]
+            addrs = torch.arange(r * 64, r * 64 + 64)  # includes never-assigned addresses
+            m.free(addrs)
+            for a in range(r * 64, r * 64 + lens[r]):
+                live.pop(a, None)
+                round_touched.discard(a)
+            lens[r] = 0
+        check_invariants(m, store, live)
+
+    m.free(torch.arange(num_logical))
+    check_invariants(m, store, {})
+    assert m.dev.num_free == dev_slots and m.host.num_free == host_slots
+    if lru == "pblru":
+        assert (m.policy.bm.words == 0).all()
+
+
+def _dev_slots_of(m, addrs):
+    if not addrs:
+        return set()
+    t, _, s = unpack(m.resolve(torch.tensor(sorted(addrs))))
+    return set(s[t == DEVICE].tolist())
+
+
+@settings(max_examples=25, deadline=None)
+@given(lru=st.sampled_from(POLICIES), n_dev=st.integers(2, 16), seed=st.integers(0, 10**6))
+def test_resolve_respects_fences(lru, n_dev, seed):
+    """Before a plan's copy completes, resolve never shows the new location; after, it does."""
+    g = torch.Generator().manual_seed(seed)
+    n = 3 * n_dev
+    m = TieredMapping(n, n_dev, n, lru=lru)
+    store = RowStore(n_dev, n)
+    for a in range(n):  # fill: older entries are demoted to the host
+        slots, plan = m.assign(torch.tensor([a]))
+        plan.apply(store.copy_fn)
+        store.write(DEVICE, slots, torch.tensor([a]))
+        m.advance_round()
+    sel = torch.randperm(n, generator=g)[: n_dev]
+    before = m.resolve(sel)
+    events = []
+
+    def async_copy(*args):
+        store.copy_fn(*args)
+        ev = ManualEvent()
+        events.append(ev)
+        return ev
+
+    slots, plan = m.ensure_resident(sel)
+    moved = torch.cat([plan.promote_dst_device, plan.demote_src_device]).numel() > 0
+    plan.apply(async_copy)
+    mid = m.resolve(sel)
+    t_mid, _, s_mid = unpack(mid)
+    promoted = unpack(before)[0] == HOST
+    if moved:
+        assert not plan.fence.completed
+        assert (t_mid[promoted] == PENDING).all(), "resolve exposed an unfinished copy"
+        assert (s_mid[promoted] == -1).all()
+    for ev in events:
+        ev.set()
+    t, _, s = unpack(m.resolve(sel))
+    assert plan.fence.completed
+    assert (t == DEVICE).all() and torch.equal(s, slots)
+    assert torch.equal(store.bufs[DEVICE][s, 0], sel)
+
+
+def test_staging_when_host_full():
+    """Device and host both full: promotions and demotions swap through staging rows."""
+    m = TieredMapping(8, 4, 4, lru="pblru", ring_size=8)
+    store = RowStore(4, 4)
+    for a in range(8):
+        slots, plan = m.assign(torch.tensor([a]))
+        plan.apply(store.copy_fn)
+        store.write(DEVICE, slots, torch.tensor([100 + a]))
+        m.advance_round()
+    assert m.device_used == 4 and m.host_used == 4
+    slots, plan = m.ensure_resident(torch.arange(4))
+    assert plan.num_staged == 4 and m.stats.staged == 4
+    plan.apply(store.copy_fn)
+    t, _, s = unpack(m.resolve(torch.arange(8)))
+    assert (t[:4] == DEVICE).all() and (t[4:] == HOST).all()
+    vals = torch.where(t == DEVICE, store.bufs[DEVICE][s, 0], store.bufs[HOST][s, 0])
+    assert torch.equal(vals, 100 + torch.arange(8))
+
+
+def test_capacity_error_and_unassigned():
+    m = TieredMapping(64, 4, 60)
+    for a in range(0, 10, 2):
+        m.apply(m.assign(torch.arange(a, a + 2))[1], lambda *a: None)
+        m.advance_round()
+    try:
+        m.ensure_resident(torch.arange(5))
+        raise AssertionError("expected CapacityError")
+    except CapacityError:
+        pass
+    assert m.device_used == 4 and m.host_used == 6
+    try:
+        m.ensure_resident(torch.tensor([40]))
+        raise AssertionError("expected KeyError")
+    except KeyError:
+        pass
+
+
+def test_tp_placement():
+    P = 4
+    maps = [TieredMapping(100, 8, 32, placement="tp", rank=r, world_size=P) for r in range(P)]
+    addrs = torch.arange(20)
+    for r, m in enumerate(maps):
+        slots, plan = m.assign(addrs)
+        assert ((slots >= 0) == (addrs % P == r)).all()
+        assert m.device_used == 5
+        t, rk, s = unpack(m.resolve(torch.tensor([0, 1, 2, 3, -1])))
+        assert rk[:4].tolist() == [0, 1, 2, 3] and rk[4] == -1
+        assert t[r] == DEVICE and all(t[i] == 3 for i in range(4) if i != r)
+        m.free(addrs)
+        assert m.device_used == 0
