@@ -1,6 +1,6 @@
 """Triton kernels with torch reference implementations (importable as ulacache_vllm.kernels).
 
-Dispatch: tensors on CUDA use the Triton kernels (``pblru_kernels``, ``translate``); CPU
+Dispatch: tensors on CUDA use the Triton kernels (``pblru_kernels``, ``translate_kernels``; not ``translate.py``: a submodule of that name would shadow the ``translate`` function); CPU
 tensors use ``reference``. ``ULACACHE_FORCE_TRITON=1`` forces Triton for CPU tensors (only
 meaningful with ``TRITON_INTERPRET=1``; the tests use it). The Triton modules are imported
 lazily so that ``TRITON_INTERPRET`` is read when they are first needed.
@@ -46,5 +46,5 @@ def hit_touch(loc_vals, buckets, cur_row: int):
 
 
 def translate(addrs, table, rank: int, world: int, pub_rank: int | None = None):
-    return (_mod("translate") if use_triton(addrs) else reference).translate(
+    return (_mod("translate_kernels") if use_triton(addrs) else reference).translate(
         addrs, table, rank, world, pub_rank)
