@@ -37,6 +37,23 @@ def popcount64(words: torch.Tensor) -> torch.Tensor:
     return (x * _signed(_H01)) >> 56 & 0xFF
 
 
+_LUT_CACHE: dict = {}
+
+
+def _bit_lut(device) -> torch.Tensor:
+    """[256, 8] bool: bits of each byte value, LSB first (int64 broadcast shifts are slow on CPU)."""
+    lut = _LUT_CACHE.get(device)
+    if lut is None:
+        lut = ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).bool()
+        _LUT_CACHE[device] = lut
+    return lut
+
+
+def unpack_bits(words: torch.Tensor) -> torch.Tensor:
+    """int64 words [M] -> bool [M*64] (bit ``i*64 + b`` = bit b of word i; little-endian bytes)."""
+    return _bit_lut(words.device).index_select(0, words.contiguous().view(torch.uint8).to(torch.int64)).reshape(-1)
+
+
 def expand_first_k(words: torch.Tensor, k: int) -> torch.Tensor:
     """Positions ``i*64 + bit`` of the first ``k`` set bits of ``words`` (word order, then bit order).
 
@@ -44,14 +61,12 @@ def expand_first_k(words: torch.Tensor, k: int) -> torch.Tensor:
     """
     if k <= 0 or words.numel() == 0:
         return words.new_empty(0)
-    cnt = popcount64(words)
-    cum = torch.cumsum(cnt, 0)
-    # Only expand the words needed to reach k bits: keeps the cost O(k) on dense bitmaps.
-    need = int(torch.searchsorted(cum, torch.tensor([k], device=words.device)).item()) + 1
-    sub = words[: min(need, words.numel())]
-    shifts = torch.arange(64, device=words.device, dtype=torch.int64)
-    bits = ((sub[:, None] >> shifts) & 1).bool()
-    return bits.reshape(-1).nonzero().squeeze(1)[:k]
+    if words.numel() > 256:
+        # Only expand the words needed to reach k bits: O(k) on dense bitmaps.
+        cum = torch.cumsum(popcount64(words), 0)
+        need = int(torch.searchsorted(cum, torch.tensor([k], device=words.device)).item()) + 1
+        words = words[: min(need, words.numel())]
+    return unpack_bits(words).nonzero().squeeze(1)[:k]
 
 
 def slots_to_words(slots: torch.Tensor, num_words: int) -> torch.Tensor:
@@ -69,7 +84,7 @@ def hit_touch(loc_vals: torch.Tensor, buckets: torch.Tensor, cur_row: int):
     """
     hit = (loc_vals >= 0) & ((loc_vals >> SLOT_BITS) == 0)
     slots = torch.where(hit, loc_vals & SLOT_MASK, torch.full_like(loc_vals, -1))
-    hs = slots[hit]
+    hs = slots.masked_select(hit)
     if hs.numel():
         mask = slots_to_words(hs, buckets.shape[1])
         buckets &= ~mask
@@ -90,7 +105,7 @@ def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
     a = torch.where(valid, addrs, torch.zeros_like(addrs))
     owner = a % world
     local = valid & (owner == rank)
-    v = table[torch.where(local, a // world, torch.zeros_like(a))]
+    v = table.index_select(0, torch.where(local, a // world, torch.zeros_like(a)))
     mine = (v >> SLOT_BITS << PUB_TIER_SHIFT) | (pub_rank << PUB_RANK_SHIFT) | (v & SLOT_MASK)
     mine = torch.where(v >= 0, mine, torch.full_like(v, -1))
     remote = (TIER_REMOTE << PUB_TIER_SHIFT) | (owner << PUB_RANK_SHIFT)

@@ -83,9 +83,9 @@ class HierBitmap:
             # idx: flat bit positions at level lev+1 == flat word indices at level lev.
             wl = self.level_words[lev]
             row_pos, word = idx // wl, idx % wl
-            words = self.levels[lev][order[row_pos], word]
+            words = self.levels[lev].view(-1).index_select(0, order.index_select(0, row_pos) * wl + word)
             pos = K.expand_first_k(words, k)
             # pos = i*64 + bit where i indexes ``words``; convert to flat bit index at lev.
             i, bit = pos >> 6, pos & 63
-            idx = (row_pos[i] * wl + word[i]) * 64 + bit
+            idx = (row_pos.index_select(0, i) * wl + word.index_select(0, i)) * 64 + bit
         return idx % (self.level_words[0] * 64)

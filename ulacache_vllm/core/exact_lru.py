@@ -30,7 +30,7 @@ class TimestampLRU(EvictionPolicy):
     def touch(self, slots):
         if slots.numel():
             self.tick += 1
-            self.last[slots] = self.tick
+            self.last.index_fill_(0, slots, self.tick)
 
     def select_victims(self, k: int) -> torch.Tensor:
         if k <= 0:
@@ -40,12 +40,12 @@ class TimestampLRU(EvictionPolicy):
         vals, idx = torch.topk(self.last, k, largest=False, sorted=False)
         if bool((vals >= self.round_start).any()):
             raise CapacityError(f"need {k} device victims outside the current round")
-        self.last[idx] = _UNTRACKED
+        self.last.index_fill_(0, idx, _UNTRACKED)
         return idx
 
     def release(self, slots):
         if slots.numel():
-            self.last[slots] = _UNTRACKED
+            self.last.index_fill_(0, slots, _UNTRACKED)
 
     def advance_round(self) -> None:
         self.round_start = self.tick + 1

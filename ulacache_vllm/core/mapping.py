@@ -177,39 +177,39 @@ class TieredMapping:
         """``(is_local, local_idx, unique_local_idx)``; dedup in O(n) via a claim table."""
         addrs = addrs.to(self.device, torch.int64).reshape(-1)
         is_local, idx = self.placement.local(addrs)
-        sel = idx[is_local]
+        sel = idx.masked_select(is_local)
         if sel.numel() <= 1:
             return is_local, idx, sel
         pos = torch.arange(sel.numel(), device=self.device)
         self._claim.scatter_reduce_(0, sel, pos, "amin")
-        keep = self._claim[sel] == pos
-        self._claim[sel] = _I64MAX
-        return is_local, idx, sel[keep]
+        keep = self._claim.index_select(0, sel) == pos
+        self._claim.index_fill_(0, sel, _I64MAX)
+        return is_local, idx, sel.masked_select(keep)
 
     def _slots_out(self, is_local, idx) -> torch.Tensor:
         safe = torch.where(is_local, idx, torch.zeros_like(idx))
-        return torch.where(is_local, self.loc[safe] & SLOT_MASK, torch.full_like(idx, -1))
+        return torch.where(is_local, self.loc.index_select(0, safe) & SLOT_MASK, torch.full_like(idx, -1))
 
     def _release(self, u: torch.Tensor) -> int:
-        lv = self.loc[u]
+        lv = self.loc.index_select(0, u)
         mapped = lv >= 0
         tier = lv >> SLOT_BITS
-        dev_slots = (lv & SLOT_MASK)[mapped & (tier == DEVICE)]
-        host_slots = (lv & SLOT_MASK)[mapped & (tier == HOST)]
+        dev_slots = (lv & SLOT_MASK).masked_select(mapped & (tier == DEVICE))
+        host_slots = (lv & SLOT_MASK).masked_select(mapped & (tier == HOST))
         self.policy.release(dev_slots)
         self.dev.release(dev_slots)
         self.host.release(host_slots)
-        self.loc[u] = -1
-        self.visible[u] = -1
-        self._last_plan[u] = 0
+        self.loc.index_fill_(0, u, -1)
+        self.visible.index_fill_(0, u, -1)
+        self._last_plan.index_fill_(0, u, 0)
         return dev_slots.numel() + host_slots.numel()
 
     def _new_plan(self, dsrc, ddst, psrc, pdst, staged, entries, new_vals):
         plan = MovePlan(dsrc, ddst, psrc, pdst, staged, plan_id=self._next_plan,
                         _entries=entries, _new_vals=new_vals, _mapping=self)
         self._next_plan += 1
-        self.visible[entries] = PENDING << SLOT_BITS
-        self._last_plan[entries] = plan.plan_id
+        self.visible.index_fill_(0, entries, PENDING << SLOT_BITS)
+        self._last_plan.index_fill_(0, entries, plan.plan_id)
         self._pending.append(plan)
         self.stats.plans += 1
         return plan
@@ -231,7 +231,7 @@ class TieredMapping:
         if k > self.host.num_free + spare:
             raise CapacityError(f"host pool full: {k} demotions, {self.host.num_free} free host slots")
         victims = self.policy.select_victims(k)
-        ventries = self.dev.owner[victims]
+        ventries = self.dev.owner.index_select(0, victims)
         self.dev.take(victims, new_entries)
         hf = min(k, self.host.num_free)
         h1 = self.host.alloc(ventries[:hf])
@@ -242,7 +242,7 @@ class TieredMapping:
             hdst = torch.cat([h1, h2])
         else:
             hdst = h1
-        self.loc[ventries] = (HOST << SLOT_BITS) | hdst
+        self.loc.index_put_((ventries,), (HOST << SLOT_BITS) | hdst)
         self.stats.demotions += k
         self.stats.staged += c
         return victims, ventries, hdst, c
@@ -266,13 +266,13 @@ class TieredMapping:
         if k:  # victims first: a CapacityError must leave the pools untouched
             victims, ventries, hdst, _ = self._victims_to_host(k, late)
         free_slots = self.dev.alloc(u[:f])
-        self.loc[u[:f]] = free_slots
-        self.visible[u[:f]] = free_slots
+        self.loc.index_put_((u[:f],), free_slots)
+        self.visible.index_put_((u[:f],), free_slots)
         self.stats.assigned += n
         if k == 0:
             self.policy.touch(free_slots)
             return self._slots_out(is_local, idx), self._empty_plan()
-        self.loc[late] = victims
+        self.loc.index_put_((late,), victims)
         self.policy.touch(torch.cat([free_slots, victims]))
         e = self._empty
         # New entries on victim slots stay PENDING until the demotion has copied the old rows.
@@ -291,15 +291,15 @@ class TieredMapping:
         """
         self.poll()
         is_local, idx, u = self._local_unique(addrs)
-        lv = self.loc[u]
+        lv = self.loc.index_select(0, u)
         hit, _ = self.policy.hit_touch(lv)
-        miss = u[~hit]
+        miss = u.masked_select(~hit)
         m = miss.numel()
         self.stats.lookups += u.numel()
         self.stats.hits += u.numel() - m
         if m == 0:
             return self._slots_out(is_local, idx), self._empty_plan()
-        mv = self.loc[miss]
+        mv = self.loc.index_select(0, miss)
         if bool(((mv >> SLOT_BITS) != HOST).any()):
             raise KeyError("ensure_resident: some addresses were never assigned (or were freed)")
         psrc = mv & SLOT_MASK
@@ -313,7 +313,7 @@ class TieredMapping:
         free_slots = self.dev.alloc(miss[:f])
         pdst = torch.cat([free_slots, victims]) if k else free_slots
         self.host.release(psrc[c:])  # the first c were re-owned by demotions
-        self.loc[miss] = pdst
+        self.loc.index_put_((miss,), pdst)
         self.policy.touch(pdst)
         self.stats.promotions += m
         plan = self._new_plan(victims, hdst, psrc, pdst, c, torch.cat([miss, ventries]),
@@ -384,8 +384,8 @@ class TieredMapping:
     def _commit(self, plan: MovePlan) -> None:
         e, v = plan._entries, plan._new_vals
         # Skip entries freed or moved again by a later plan since this one was made.
-        ok = (self._last_plan[e] == plan.plan_id) & (self.loc[e] == v)
-        self.visible[e[ok]] = v[ok]
+        ok = (self._last_plan.index_select(0, e) == plan.plan_id) & (self.loc.index_select(0, e) == v)
+        self.visible.index_put_((e.masked_select(ok),), v.masked_select(ok))
         plan.state = "committed"
         plan.fence.signal()
 

@@ -21,7 +21,7 @@ class EvictionPolicy:
         """
         hit = (loc_vals >= 0) & ((loc_vals >> SLOT_BITS) == 0)
         slots = torch.where(hit, loc_vals & SLOT_MASK, torch.full_like(loc_vals, -1))
-        hs = slots[hit]
+        hs = slots.masked_select(hit)
         if hs.numel():
             self.touch(hs)
         return hit, slots

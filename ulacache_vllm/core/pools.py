@@ -34,18 +34,18 @@ class SlotPool:
             return entries.new_empty(0)
         slots = self.free_bits.first_k(self._row, n)
         self.free_bits.remove(slots)
-        self.owner[slots] = entries
+        self.owner.index_put_((slots,), entries)
         self.num_free -= n
         return slots
 
     def take(self, slots: torch.Tensor, entries: torch.Tensor) -> None:
         """Re-own already-used ``slots`` (victims handed to new entries)."""
-        self.owner[slots] = entries
+        self.owner.index_put_((slots,), entries)
 
     def release(self, slots: torch.Tensor) -> None:
         """Return unique used ``slots`` to the free bitmap."""
         if slots.numel():
-            self.owner[slots] = -1
+            self.owner.index_fill_(0, slots, -1)
             self.free_bits.add(0, slots)
             self.num_free += slots.numel()
 
