@@ -109,8 +109,11 @@ FAMILIES: dict[str, Family] = {
             num_experts_per_tok=2,
             sliding_window=128,
             max_position_embeddings=8192,
-            # plain RoPE: yarn's 4096-token original context is irrelevant at this size
-            rope_parameters={"rope_type": "default", "rope_theta": 150000.0},
+            # vLLM's gpt_oss requires YaRN parameters ("factor", ...); the factor matches
+            # max_position_embeddings / original_max_position_embeddings so HF stays quiet.
+            rope_parameters={"rope_type": "yarn", "factor": 2.0, "beta_fast": 32.0,
+                             "beta_slow": 1.0, "truncate": False,
+                             "original_max_position_embeddings": 4096, "rope_theta": 150000.0},
             tie_word_embeddings=False,
         ),
     ),

@@ -1,0 +1,64 @@
+"""Shared pytest fixtures.
+
+``tiny_model(name, **overrides) -> Path`` builds (once per session, cached on disk under the
+git-ignored ``models_cache/tests/``) the tiny random-weight models of
+``ulacache_vllm.models``. A cached directory is reused only if it was built by the same
+factory source, name, seed and overrides (the key is hashed into the directory name).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/_vllm_subprocess.py
+MODELS_CACHE = Path(os.environ.get("ULACACHE_MODELS_CACHE", REPO_ROOT / "models_cache" / "tests"))
+
+
+def _factory_fingerprint() -> str:
+    """Hash of the factory's source: edits to it invalidate cached models."""
+    import ulacache_vllm.models as m
+
+    h = hashlib.sha256()
+    for f in sorted(Path(m.__file__).parent.glob("*.py")):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+class TinyModels:
+    """Builds and caches tiny models; ``__call__(name, seed=0, weights_from=None, **overrides)``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.fingerprint = _factory_fingerprint()
+
+    def __call__(self, name: str, *, seed: int = 0, weights_from: Path | None = None,
+                 **overrides) -> Path:
+        from ulacache_vllm.models import build_model
+        from ulacache_vllm.models.factory import BUILD_INFO
+
+        key = json.dumps([self.fingerprint, name, seed, overrides,
+                          str(weights_from) if weights_from else None], sort_keys=True)
+        digest = hashlib.sha256(key.encode()).hexdigest()[:10]
+        out = self.root / f"{name}-{digest}"
+        if not (out / BUILD_INFO).exists():
+            build_model(name, out, overrides=overrides or None, seed=seed,
+                        weights_from=weights_from)
+        return out
+
+    def dense_twin(self, dsa_model: Path) -> Path:
+        """DeepSeek-V3 dense-MLA model with ``dsa_model``'s weights (indexer dropped)."""
+        return self("deepseek_v3", weights_from=dsa_model)
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> TinyModels:
+    MODELS_CACHE.mkdir(parents=True, exist_ok=True)
+    return TinyModels(MODELS_CACHE)
