@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 setup: $(VENV)/.ulacache-installed
 
-$(VENV)/.ulacache-installed: setup.cfg pyproject.toml scripts/setup_env.sh scripts/install_vllm_shim.py
+$(VENV)/.ulacache-installed: setup.cfg pyproject.toml scripts/setup_env.sh scripts/install_hooks.py
 	bash scripts/setup_env.sh $(VENV)
 
 serve: setup

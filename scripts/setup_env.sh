@@ -28,10 +28,11 @@ if [ "$build" = cpu ]; then
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   "${PIP[@]}" install -q -e ".[test]"
   "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-  "$VENV/bin/python" scripts/install_vllm_shim.py
+  "$VENV/bin/python" scripts/install_hooks.py
 else
   "${PIP[@]}" install -q 'vllm==0.32.0'
   "${PIP[@]}" install -q -e ".[test,cuda]"
+  "$VENV/bin/python" scripts/install_hooks.py
 fi
 "$VENV/bin/python" -c "import vllm, ulacache_vllm.patches, ulacache_vllm.kernels; print('[setup] vllm', vllm.__version__, 'ok')"
 touch "$VENV/.ulacache-installed"

@@ -28,6 +28,9 @@ def sparse_mla_attention(
         idx = rows[s:e].long()
         valid = idx >= 0
         kv = kv_rows[idx.clamp(min=0)].float()  # [t, K, D]
+        # Padding gathers row 0; zero it so whatever lives there (even NaN/Inf) cannot leak
+        # into the output through 0 * x in the value product.
+        kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
         scores = torch.einsum("thd,tkd->thk", q[s:e].float(), kv) * scale
         scores.masked_fill_(~valid.unsqueeze(1), float("-inf"))
         m = torch.logsumexp(scores, dim=-1)  # [t, H]

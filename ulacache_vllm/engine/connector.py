@@ -1,0 +1,110 @@
+"""`UlaCacheConnector`: the scheduler -> worker channel of `--kv-backend ulacache`.
+
+A vLLM KV connector (the mechanism vLLM's HiSparse uses) carrying, each step, the logical blocks
+the scheduler freed since the last step; the worker side owns the `UlaWorkerStore` (pools and
+mapping tables), applies those frees and advances the LRU round before the forward pass
+(`has_sync_kv_loads`), and reports counters back as connector stats. It loads nothing from
+outside: every request's KV is computed locally.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.logger import init_logger
+
+from .config import settings_from_additional_config
+from .metrics import UlaPromMetrics, UlaStats
+
+logger = init_logger("vllm.ulacache.connector")
+CONNECTOR_NAME = "UlaCacheConnector"
+MODULE_PATH = "ulacache_vllm.engine.connector"
+
+
+@dataclass
+class UlaConnectorMetadata(KVConnectorMetadata):
+    freed_blocks: list[int] = field(default_factory=list)
+
+
+class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._settings = settings_from_additional_config(vllm_config.additional_config)
+        self.store = None
+
+    # ---------------------------------------------------------------- scheduler
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output) -> UlaConnectorMetadata:
+        # Frees and the round advance must reach the worker before this step's forward.
+        scheduler_output.has_sync_kv_loads = True
+        mgr = self._kv_cache_manager
+        freed = mgr.take_freed_blocks() if mgr is not None else []
+        return UlaConnectorMetadata(freed_blocks=freed)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping (an empty step) until the worker has released them.
+        mgr = self._kv_cache_manager
+        return mgr is not None and mgr.has_pending_frees()
+
+    # ------------------------------------------------------------------- worker
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        from .worker_store import UlaWorkerStore
+
+        layout = getattr(self._kv_cache_config, "ulacache_layout", None)
+        if layout is None:
+            raise RuntimeError("ulacache: the KV cache config carries no ulacache layout")
+        ctx = self._vllm_config.compilation_config.static_forward_context
+        device = next(iter(kv_caches.values())).device
+        self.store = UlaWorkerStore(layout, self._settings, ctx, device)
+        logger.info("ulacache worker store ready: %s", layout.summary(
+            self._vllm_config.model_config.max_model_len))
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        if self.store is None:
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, UlaConnectorMetadata)
+        self.store.begin_step(meta.freed_blocks)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_kv_connector_stats(self):
+        if self.store is None:
+            return None
+        c = self.store.take_counters()
+        data = {k: getattr(c, k) for k in c.__dataclass_fields__}
+        data.update(self.store.usage())
+        return UlaStats(data=data)
+
+    # -------------------------------------------------------------------- stats
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        return UlaStats(data=dict(data)) if data is not None else UlaStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return UlaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

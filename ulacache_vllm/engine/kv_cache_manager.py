@@ -1,0 +1,54 @@
+"""Scheduler-side ulacache KV cache manager.
+
+vLLM's `KVCacheManager` over ulacache's *logical* block pool: block ids are logical addresses
+(`block * block_size + offset` names one token's KV entry), the pool holds device + host
+capacity, so admission, preemption and freeing count both tiers and no request has a device
+quota. Placement (device or host, which slot) is decided in the worker by the mapping table;
+this manager reports which logical blocks died so the worker releases their slots, and keeps
+the whole public surface vLLM's scheduler, engine core and connectors use (it *is* a
+`KVCacheManager`).
+"""
+from __future__ import annotations
+
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+
+class UlaKVCacheManager(KVCacheManager):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._freed: list[int] = []
+
+    def _record_dead(self, block_ids) -> None:
+        pool = self.block_pool
+        for bid in block_ids:
+            blk = pool.blocks[bid]
+            if blk.ref_cnt == 0 and not blk.is_null:
+                self._freed.append(bid)
+
+    def _request_block_ids(self, request_id: str) -> list[int]:
+        ids: list[int] = []
+        for mgr in self.coordinator.single_type_managers:
+            ids.extend(b.block_id for b in mgr.req_to_blocks.get(request_id, ()) if not b.is_null)
+        return ids
+
+    def free(self, request) -> None:
+        ids = self._request_block_ids(request.request_id)
+        super().free(request)
+        self._record_dead(ids)
+
+    def pop_blocks_for_free(self, request):
+        blocks = super().pop_blocks_for_free(request)
+        self._freed.extend(b.block_id for b in blocks if not b.is_null)
+        return blocks
+
+    def has_pending_frees(self) -> bool:
+        return bool(self._freed)
+
+    def take_freed_blocks(self) -> list[int]:
+        out, self._freed = self._freed, []
+        return out
+
+    @property
+    def num_used_blocks(self) -> int:
+        pool = self.block_pool
+        return pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()

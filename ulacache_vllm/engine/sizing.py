@@ -1,0 +1,173 @@
+"""ulacache KV sizing: one logical address space over a device pool and a host pool.
+
+The device budget (vLLM's normal KV budget, `D` bytes) holds the DSA indexer keys of every
+logical token (the indexer scores the whole history each step, so its keys stay on the device)
+plus the device pool of sparse-MLA rows; the host budget (`--ula-host-pool-gib`, `H` bytes)
+holds host-tier MLA rows. Residency is exclusive, so the logical capacity is
+`N = device_slots + host_slots` tokens:
+
+    H = host_slots * M                      (M: MLA bytes per token, all layers)
+    D = N * I + device_slots * M            (I: indexer bytes per token, all layers)
+
+vLLM's block pool is sized to `N / block_size` logical blocks (plus its null block); the MLA
+layers get a 1-byte placeholder spec so vLLM allocates only the indexer caches, and the worker
+allocates the device and host MLA pools itself (`worker_store.py`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .config import KVBackendError, UlaSettings
+
+GIB = 1 << 30
+
+
+@dataclass
+class UlaLayout:
+    block_size: int
+    device_slots: int  # MLA rows per layer in the device pool
+    host_slots: int  # MLA rows per layer in the host pool
+    num_logical: int  # logical token addresses (= device_slots + host_slots)
+    num_blocks: int  # vLLM logical blocks incl. the null block
+    mla_layers: list[str]  # sparse-MLA layers, model order
+    leaders: list[str]  # layers that own a top-k (start a layer group)
+    mla_row_bytes: dict[str, int]  # per layer, bytes of one MLA row (per token)
+    mla_head_size: int
+    mla_dtype: str
+    indexer_bytes_per_token: int
+
+    def summary(self, max_model_len: int) -> str:
+        per_req = max(1, max_model_len)
+        return (
+            f"ulacache KV: {self.device_slots} device slots + {self.host_slots} host slots "
+            f"per MLA layer = {self.num_logical} logical tokens "
+            f"({len(self.mla_layers)} sparse-MLA layers, "
+            f"{sum(self.mla_row_bytes.values())} B/token MLA, "
+            f"{self.indexer_bytes_per_token} B/token indexer keys); "
+            f"max concurrent requests of max_model_len={max_model_len}: "
+            f"{self.num_logical // per_req}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _layer_index(name: str) -> tuple[int, str]:
+    for part in name.split("."):
+        if part.isdigit():
+            return int(part), name
+    return 1 << 30, name
+
+
+def split_specs(specs: dict) -> tuple[dict, dict, dict]:
+    """(sparse MLA specs, indexer specs, other specs) of one worker."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    mla, idx, other = {}, {}, {}
+    for name, spec in specs.items():
+        if isinstance(spec, MLAAttentionSpec) and spec.cache_role == SparseCacheRole.INDEXER:
+            idx[name] = spec
+        elif isinstance(spec, MLAAttentionSpec) and spec.cache_role == SparseCacheRole.SPARSE:
+            mla[name] = spec
+        else:
+            other[name] = spec
+    return mla, idx, other
+
+
+def placeholder_spec(spec):
+    """An MLA spec whose pages vLLM allocates as 1 byte per token: the real rows live in the
+    ulacache device/host pools, allocated by the worker."""
+    return dataclasses.replace(spec, head_size=1, dtype=torch.uint8, page_size_padded=None)
+
+
+def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSettings) -> UlaLayout:
+    mla, idx, other = split_specs(specs)
+    if not mla:
+        raise KVBackendError(
+            "--kv-backend ulacache found no sparse-MLA (DSA) attention layers in this model; "
+            "it serves DeepSeek-V3.2 / GLM DSA models. Use --kv-backend vllm."
+        )
+    if other:
+        raise KVBackendError(
+            f"--kv-backend ulacache serves pure DSA models; this one also has other KV layers "
+            f"({sorted(other)[:3]}...). Use --kv-backend vllm."
+        )
+    block_sizes = {s.block_size for s in list(mla.values()) + list(idx.values())}
+    if len(block_sizes) != 1:
+        raise KVBackendError(f"ulacache needs one block size across layers, got {block_sizes}")
+    bs = block_sizes.pop()
+    row = {n: s.page_size_bytes // s.block_size for n, s in mla.items()}
+    M = sum(row.values())
+    I = sum(s.page_size_bytes // s.block_size for s in idx.values())
+    P = len(mla)  # placeholder bytes per token (1 per MLA layer)
+    host_bytes = int(settings.host_pool_gib * GIB)
+    host_slots = (host_bytes // M) // bs * bs
+    device_slots = ((available_bytes - host_slots * (I + P)) // (I + P + M)) // bs * bs
+    max_model_len = vllm_config.model_config.max_model_len
+    sched = vllm_config.scheduler_config
+    topk = getattr(vllm_config.model_config.hf_text_config, "index_topk", 0) or 0
+    need_device = sched.max_num_batched_tokens + topk
+    if host_slots < max_model_len:
+        need_gib = math.ceil(max_model_len * M / GIB * 1000) / 1000
+        raise KVBackendError(
+            f"ulacache host pool too small: --ula-host-pool-gib {settings.host_pool_gib} holds "
+            f"{host_slots} tokens of sparse-MLA KV ({M} bytes/token over {len(mla)} layers), "
+            f"fewer than one request of max_model_len={max_model_len}. Set "
+            f"--ula-host-pool-gib to at least {need_gib} or lower --max-model-len."
+        )
+    if device_slots < need_device:
+        need_bytes = need_device * (I + P + M) + host_slots * (I + P)
+        raise KVBackendError(
+            f"ulacache device pool too small: the KV budget of {available_bytes} bytes leaves "
+            f"{max(device_slots, 0)} device slots after indexer keys for {host_slots} host "
+            f"tokens, but one step needs up to {need_device} (max_num_batched_tokens "
+            f"{sched.max_num_batched_tokens} + index_topk {topk}). Raise the KV budget "
+            f"(--kv-cache-memory-bytes / --gpu-memory-utilization) to at least {need_bytes} "
+            f"bytes, lower --max-num-batched-tokens, or shrink --ula-host-pool-gib."
+        )
+    num_logical = device_slots + host_slots
+    names = sorted(mla, key=_layer_index)
+    leaders = [n for n in names if mla[n].is_index_group_leader] or names
+    if names[0] not in leaders:
+        leaders.insert(0, names[0])
+    first = mla[names[0]]
+    return UlaLayout(
+        block_size=bs,
+        device_slots=device_slots,
+        host_slots=host_slots,
+        num_logical=num_logical,
+        num_blocks=num_logical // bs + 1,
+        mla_layers=names,
+        leaders=leaders,
+        mla_row_bytes=row,
+        mla_head_size=first.head_size,
+        mla_dtype=_dtype_name(first.dtype),
+        indexer_bytes_per_token=I,
+    )
+
+
+def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict], available_memory: list[int],
+                         settings: UlaSettings):
+    """ulacache's replacement for vLLM's `get_kv_cache_configs` (same signature + `orig`)."""
+    layouts = [plan_layout(vllm_config, s, a, settings)
+               for s, a in zip(kv_cache_specs, available_memory)]
+    layout = min(layouts, key=lambda l: l.num_blocks)
+    new_specs = []
+    for specs in kv_cache_specs:
+        mla, idx, _ = split_specs(specs)
+        new_specs.append({**idx, **{n: placeholder_spec(s) for n, s in mla.items()}})
+    bytes_per_block = sum(s.page_size_bytes for s in new_specs[0].values())
+    budget = [layout.num_blocks * bytes_per_block] * len(new_specs)
+    configs = orig(vllm_config, new_specs, budget)
+    for cfg in configs:
+        if cfg.num_blocks != layout.num_blocks:
+            raise RuntimeError(
+                f"ulacache: vLLM sized {cfg.num_blocks} blocks, expected {layout.num_blocks}"
+            )
+        cfg.ulacache_layout = layout
+    return configs

@@ -1,0 +1,25 @@
+"""Worker extension installed under `--kv-backend ulacache`: inspection RPCs.
+
+`LLM.collective_rpc("ulacache_usage")` returns, per worker, the pool usage and counters of the
+worker-side store (used by tests and for debugging; the same numbers reach `/metrics`).
+"""
+from __future__ import annotations
+
+
+class UlaWorkerExtension:
+    def _ulacache_store(self):
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group().store
+
+    def ulacache_usage(self) -> dict:
+        store = self._ulacache_store()
+        out = dict(store.usage())
+        out["totals"] = {
+            "promotions": sum(g.mapping.stats.promotions for g in store.groups),
+            "demotions": sum(g.mapping.stats.demotions for g in store.groups),
+            "lookups": sum(g.mapping.stats.lookups for g in store.groups),
+            "hits": sum(g.mapping.stats.hits for g in store.groups),
+        }
+        out["step"] = store.step
+        return out

@@ -1,0 +1,226 @@
+"""Worker-side ulacache store: device and host pools of sparse-MLA rows, one mapping table per
+layer group, and the translators the sparse-MLA backend calls.
+
+Each layer group (layers sharing one top-k: a layer with an indexer plus the layers that reuse
+its selection) owns one `TieredMapping`; a token's rows of every layer in the group share one
+device slot (or host slot), and moves copy the rows of all the group's layers. The first layer
+of a group that runs in a step does the lookup, dedup and moves; the others reuse the result.
+Moves follow the ordering rule through `TieredMapping.apply`: copy, then commit the mapping,
+then signal the fence; attention reads only slots returned after that.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
+from ulacache_vllm.core.pools import CapacityError
+
+from .config import UlaSettings
+from .kv_translation import KVTranslator, set_translator
+from .sizing import UlaLayout
+
+
+@dataclass
+class StoreCounters:
+    lookups: int = 0
+    hits: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    bytes_moved: int = 0
+    fallback_chunks: int = 0
+
+
+@dataclass
+class _Group:
+    gid: int
+    layers: list[str]
+    mapping: TieredMapping
+    row_bytes: int  # bytes of one entry over all the group's layers
+    step_write: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    step_read: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    staging: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class UlaWorkerStore:
+    def __init__(self, layout: UlaLayout, settings: UlaSettings, layers: dict, device: torch.device):
+        self.layout = layout
+        self.settings = settings
+        self.device = device
+        bs = layout.block_size
+        dtype = getattr(torch, layout.mla_dtype)
+        head = layout.mla_head_size
+        pin = device.type == "cuda"
+        self.device_pool: dict[str, torch.Tensor] = {}
+        self.host_pool: dict[str, torch.Tensor] = {}
+        for name in layout.mla_layers:
+            self.device_pool[name] = torch.zeros(
+                layout.device_slots // bs, bs, head, dtype=dtype, device=device)
+            self.host_pool[name] = torch.zeros(
+                layout.host_slots, head, dtype=dtype, device="cpu", pin_memory=pin)
+            layer = layers[name]
+            layer.kv_cache = self.device_pool[name]  # attention reads the device pool
+            layer.impl.layer_name = name
+        self.groups: list[_Group] = []
+        self.group_of: dict[str, _Group] = {}
+        current: list[str] = []
+        for name in layout.mla_layers:
+            if name in layout.leaders and current:
+                self._add_group(current)
+                current = []
+            current.append(name)
+        self._add_group(current)
+        self.step = 0
+        self.counters = StoreCounters()
+        self._trace = open(settings.trace_path, "a") if settings.trace_path else None
+        if self._trace is not None:
+            self._trace.write(json.dumps({"num_logical": layout.num_blocks * bs}) + "\n")
+        for g in self.groups:
+            t = GroupTranslator(self, g)
+            for name in g.layers:
+                set_translator(name, t)
+
+    def _add_group(self, names: list[str]) -> None:
+        lay = self.layout
+        m = TieredMapping(lay.num_blocks * lay.block_size, lay.device_slots, lay.host_slots,
+                          device=self.device, lru=self.settings.lru)
+        g = _Group(len(self.groups), list(names), m, sum(lay.mla_row_bytes[n] for n in names))
+        self.groups.append(g)
+        for n in names:
+            self.group_of[n] = g
+
+    # ------------------------------------------------------------------ per step
+    def begin_step(self, freed_blocks: list[int]) -> None:
+        """Start of a scheduling round: release dead logical blocks, advance the LRU rings."""
+        self.step += 1
+        if freed_blocks:
+            bs = self.layout.block_size
+            blocks = torch.tensor(freed_blocks, dtype=torch.int64, device=self.device)
+            addrs = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).reshape(-1)
+            for g in self.groups:
+                g.mapping.free(addrs)
+            self._record(0, "free", 0, addrs)
+        for g in self.groups:
+            g.mapping.advance_round()
+
+    def copy_fn(self, g: _Group):
+        def copy(src_tier, src, dst_tier, dst):
+            for name in g.layers:
+                s = self._rows(g, name, src_tier, int(src.max()) + 1 if src.numel() else 0)
+                d = self._rows(g, name, dst_tier, int(dst.max()) + 1 if dst.numel() else 0)
+                rows = s.index_select(0, src.to(s.device))
+                d.index_copy_(0, dst.to(d.device), rows.to(d.device, non_blocking=True))
+            if src_tier != dst_tier and STAGING not in (src_tier, dst_tier):
+                self.counters.bytes_moved += int(src.numel()) * g.row_bytes
+            return None
+        return copy
+
+    def _rows(self, g: _Group, name: str, tier: int, need: int) -> torch.Tensor:
+        if tier == DEVICE:
+            t = self.device_pool[name]
+            return t.view(-1, t.shape[-1])
+        if tier == HOST:
+            return self.host_pool[name]
+        buf = g.staging.get(name)
+        if buf is None or buf.shape[0] < need:
+            head = self.layout.mla_head_size
+            buf = torch.empty(max(need, 64), head, dtype=self.device_pool[name].dtype,
+                              device=self.device)
+            g.staging[name] = buf
+        return buf
+
+    def _apply(self, g: _Group, plan) -> None:
+        if not plan.empty:
+            self.counters.promotions += int(plan.promote_src_host.numel())
+            self.counters.demotions += int(plan.demote_src_device.numel())
+            g.mapping.apply(plan, self.copy_fn(g))
+
+    def _record(self, gid: int, kind: str, _req, addrs: torch.Tensor, reqs=None) -> None:
+        if self._trace is None or addrs.numel() == 0:
+            return
+        a = addrs[addrs >= 0]
+        rec = {"step": self.step, "group": gid, "kind": kind,
+               "req": reqs.tolist() if reqs is not None else 0, "addr": a.tolist()}
+        self._trace.write(json.dumps(rec) + "\n")
+        self._trace.flush()
+
+    # ---------------------------------------------------------------- reporting
+    def usage(self) -> dict[str, int]:
+        return {
+            "device_used": sum(g.mapping.device_used for g in self.groups),
+            "host_used": sum(g.mapping.host_used for g in self.groups),
+            "device_capacity": self.layout.device_slots * len(self.groups),
+            "host_capacity": self.layout.host_slots * len(self.groups),
+        }
+
+    def take_counters(self) -> StoreCounters:
+        out, self.counters = self.counters, StoreCounters()
+        return out
+
+
+class GroupTranslator(KVTranslator):
+    """Logical slots -> device slots for one layer group (see `kv_translation.py`)."""
+
+    def __init__(self, store: UlaWorkerStore, group: _Group):
+        self.store = store
+        self.g = group
+
+    def write_slots(self, layer_name: str, slot_mapping: torch.Tensor) -> torch.Tensor:
+        g, step = self.g, self.store.step
+        if g.step_write is not None and g.step_write[0] == step and torch.equal(
+                g.step_write[1], slot_mapping):
+            return g.step_write[2]
+        slots, plan = g.mapping.assign(slot_mapping)
+        self.store._apply(g, plan)
+        g.step_write = (step, slot_mapping.clone(), slots)
+        self.store._record(g.gid, "append", 0, slot_mapping)
+        return slots
+
+    def read_rows(self, layer_name: str, rows: torch.Tensor) -> torch.Tensor:
+        chunks = list(self.read_chunks(layer_name, rows, None))
+        assert len(chunks) == 1, "use read_chunks when the working set may exceed the pool"
+        return chunks[0][2]
+
+    def read_chunks(self, layer_name: str, logical: torch.Tensor,
+                    req_of_token: torch.Tensor | None) -> Iterator[tuple[int, int, torch.Tensor]]:
+        g, step, st = self.g, self.store.step, self.store
+        T = logical.shape[0]
+        if g.step_read is not None and g.step_read[0] == step and torch.equal(
+                g.step_read[1], logical):
+            yield 0, T, g.step_read[2]
+            return
+        try:
+            slots = self._resolve(logical)
+            g.step_read = (step, logical.clone(), slots)
+            st._record(g.gid, "select", 0, logical.reshape(-1),
+                       None if req_of_token is None else
+                       req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
+            yield 0, T, slots
+            return
+        except CapacityError:
+            if req_of_token is None:
+                raise
+        # The step's selections do not fit the device pool at once: attend in chunks of
+        # requests (then of tokens), letting earlier chunks' rows be evicted in between.
+        bounds = torch.nonzero(torch.diff(req_of_token.long(), prepend=req_of_token[:1].long() - 1)
+                               ).flatten().tolist() + [T]
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            step_tokens = max(1, (st.layout.device_slots // 2) // max(1, logical.shape[1]))
+            for cs in range(s, e, step_tokens):
+                ce = min(e, cs + step_tokens)
+                g.mapping.advance_round()
+                st.counters.fallback_chunks += 1
+                yield cs, ce, self._resolve(logical[cs:ce])
+
+    def _resolve(self, logical: torch.Tensor) -> torch.Tensor:
+        g, st = self.g, self.store
+        flat = logical.reshape(-1)
+        before_l, before_h = g.mapping.stats.lookups, g.mapping.stats.hits
+        slots, plan = g.mapping.ensure_resident(flat)
+        st._apply(g, plan)
+        st.counters.lookups += g.mapping.stats.lookups - before_l
+        st.counters.hits += g.mapping.stats.hits - before_h
+        return slots.view_as(logical)
