@@ -44,5 +44,34 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
 
 def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
     """Runs after VllmConfig is built and the model is known to be supported."""
+    check_host_pool(vllm_config, settings)
     sc = vllm_config.scheduler_config
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
+
+
+def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
+    """Fails in the front end (before any engine process starts) when the host pool cannot
+    hold one request of max_model_len; the engine core re-checks with the exact layer specs."""
+    import math
+
+    import torch
+
+    from .sizing import GIB
+
+    mc = vllm_config.model_config
+    text = mc.hf_text_config
+    head = getattr(text, "kv_lora_rank", 0) + getattr(text, "qk_rope_head_dim", 0)
+    layers = mc.get_num_layers(vllm_config.parallel_config)
+    dtype = mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.bfloat16
+    per_token = layers * head * torch.empty((), dtype=dtype).element_size()
+    if per_token <= 0:
+        return
+    host_tokens = int(settings.host_pool_gib * GIB) // per_token
+    if host_tokens < mc.max_model_len:
+        need = math.ceil(mc.max_model_len * per_token / GIB * 1000) / 1000
+        raise KVBackendError(
+            f"ulacache host pool too small: --ula-host-pool-gib {settings.host_pool_gib} holds "
+            f"{host_tokens} tokens of sparse-MLA KV ({per_token} bytes/token over {layers} "
+            f"layers), fewer than one request of max_model_len={mc.max_model_len}. Set "
+            f"--ula-host-pool-gib to at least {need} or lower --max-model-len."
+        )

@@ -1,0 +1,106 @@
+"""--kv-backend flag, LLM(kv_backend=...) keyword, and the clear errors for bad input."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from ulacache_vllm.engine import config as ula_config
+
+
+@pytest.fixture(scope="module")
+def parser():
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+
+
+def test_flag_registered_with_help(parser):
+    action = next(a for a in parser._actions if "--kv-backend" in a.option_strings)
+    assert set(action.choices) == {"vllm", "ulacache"}
+    assert "ulacache" in action.help and "default" in action.help
+    assert any("--ula-host-pool-gib" in a.option_strings for a in parser._actions)
+
+
+def test_flag_translates_into_additional_config(parser):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = parser.parse_args(["--model", "m", "--kv-backend", "ulacache",
+                              "--ula-host-pool-gib", "2.5", "--additional-config",
+                              '{"other": 1}'])
+    ea = AsyncEngineArgs.from_cli_args(args)
+    assert ea.additional_config["kv_backend"] == "ulacache"
+    assert ea.additional_config["ulacache"] == {"host_pool_gib": 2.5}
+    assert ea.additional_config["other"] == 1
+    default = AsyncEngineArgs.from_cli_args(parser.parse_args(["--model", "m"]))
+    assert ula_config.backend_from_additional_config(default.additional_config) == "vllm"
+
+
+def test_invalid_flag_value_lists_choices(parser, capsys):
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--kv-backend", "bogus"])
+    err = capsys.readouterr().err
+    assert "bogus" in err and "vllm" in err and "ulacache" in err
+
+
+def test_unknown_backend_in_additional_config_is_clear():
+    with pytest.raises(ula_config.KVBackendError, match="valid choices: vllm, ulacache"):
+        ula_config.backend_from_additional_config({"kv_backend": "hisparse"})
+    with pytest.raises(ula_config.KVBackendError, match="unknown ulacache setting"):
+        ula_config.merge_into_additional_config({}, "ulacache", {"hostpool": 1})
+
+
+def test_llm_kwargs_split():
+    from ulacache_vllm.patches.llm_kwargs import split_kwargs
+
+    kw = {"kv_backend": "ulacache", "ula_host_pool_gib": 1.0, "dtype": "float32"}
+    backend, settings = split_kwargs(kw)
+    assert backend == "ulacache" and settings == {"host_pool_gib": 1.0}
+    assert kw == {"dtype": "float32"}
+
+
+def test_vllm_serve_help_lists_flag():
+    """The installed `vllm` console script works on the CPU build and shows the flag."""
+    import shutil
+
+    exe = shutil.which("vllm", path=str(__import__("pathlib").Path(sys.executable).parent))
+    assert exe, "vllm console script missing from the venv"
+    out = subprocess.run([exe, "serve", "--help=ulacache"], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "--kv-backend" in out.stdout and "--ula-host-pool-gib" in out.stdout
+
+
+ERRORS_SCRIPT = r"""
+from vllm import LLM
+res = {}
+def attempt(key, **kw):
+    try:
+        LLM(model=kw.pop("model"), enforce_eager=True, dtype="float32", max_model_len=512,
+            kv_cache_memory_bytes=64 << 20, **kw)
+        res[key] = "no error"
+    except Exception as e:
+        res[key] = f"{type(e).__name__}: {e}"
+attempt("unknown", model=ARGS["dsa"], kv_backend="bogus")
+attempt("unsupported", model=ARGS["llama"], kv_backend="ulacache")
+attempt("host_small", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib=0.0001)
+attempt("bad_lru", model=ARGS["dsa"], kv_backend="ulacache", ula_lru="fifo")
+emit(res)
+"""
+
+
+def test_clear_errors_from_llm(tiny_model):
+    from _vllm_subprocess import run_vllm_script
+
+    res = run_vllm_script(ERRORS_SCRIPT, args={"dsa": str(tiny_model("deepseek_v32")),
+                                               "llama": str(tiny_model("llama"))}, timeout=300)
+    assert "valid choices: vllm, ulacache" in res["unknown"]
+    assert "bogus" in res["unknown"]
+    assert "LlamaForCausalLM" in res["unsupported"]
+    assert "--kv-backend vllm" in res["unsupported"] and "DSA" in res["unsupported"]
+    assert "host pool too small" in res["host_small"]
+    assert "max_model_len=512" in res["host_small"] and "--ula-host-pool-gib" in res["host_small"]
+    assert "fifo" in res["bad_lru"] and "pblru" in res["bad_lru"]
