@@ -115,6 +115,17 @@ def test_dense_twin_shares_weights(tiny_model, tmp_path):
     assert _hashes(again) == _hashes(twin)
 
 
+def test_weights_from_same_family_keeps_weights_resets_topk(tiny_model):
+    from safetensors.torch import load_file
+
+    full = tiny_model("deepseek_v32", index_topk=512)
+    sparse = tiny_model("deepseek_v32", weights_from=full)
+    assert json.loads((full / "config.json").read_text())["index_topk"] == 512
+    assert json.loads((sparse / "config.json").read_text())["index_topk"] == 16
+    a, b = load_file(str(full / "model.safetensors")), load_file(str(sparse / "model.safetensors"))
+    assert set(a) == set(b) and all(a[k].equal(b[k]) for k in a)
+
+
 def test_cli(tmp_path, capsys):
     from ulacache_vllm.models.__main__ import main
 

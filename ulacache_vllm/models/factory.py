@@ -21,9 +21,12 @@ from .tokenizer import save_tokenizer
 BUILD_INFO = "ulacache_build.json"  # marks a directory this factory wrote (safe to replace)
 WEIGHTS = "model.safetensors"
 
-# Config keys never taken over from a weights_from source (identity, not shape).
+# Config keys never taken over from a weights_from source: identity, not shape. index_topk
+# is a selection setting, not a weight shape, so it comes from the family or overrides
+# (a top-k 512 checkpoint's weights can be rebuilt as a top-k 16 model).
 _NOT_SHAPE = {"architectures", "model_type", "transformers_version", "dtype", "torch_dtype",
-              "_name_or_path", "auto_map", "layer_types", "num_nextn_predict_layers"}
+              "_name_or_path", "auto_map", "layer_types", "num_nextn_predict_layers",
+              "index_topk"}
 
 
 def _config_class(name: str):
@@ -37,7 +40,7 @@ def _kwargs_from_source(name: str, src: Path) -> dict[str, Any]:
     src_cfg = json.loads((src / "config.json").read_text())
     known = set(_config_class(name)().to_dict()) | set(FAMILIES[name].extra_json)
     return {k: v for k, v in src_cfg.items()
-            if k in known and k not in _NOT_SHAPE and not k.startswith("index_")}
+            if k in known and k not in _NOT_SHAPE}
 
 
 def _write_json(path: Path, data: dict) -> None:
@@ -110,8 +113,8 @@ def build_model(
 
     ``overrides`` replace config kwargs (e.g. ``{"index_topk": 64}``). ``weights_from``
     takes shapes and weights from an existing checkpoint directory (tensors the target
-    architecture lacks, such as a DSA indexer, are dropped); ``overrides`` then must not
-    change shapes. ``outdir`` is replaced if this factory wrote it before, refused if it
+    architecture lacks, such as a DSA indexer, are dropped; ``index_topk`` is not taken
+    over); ``overrides`` then must not change shapes. ``outdir`` is replaced if this factory wrote it before, refused if it
     holds anything else.
     """
     if name not in FAMILIES:
