@@ -16,7 +16,7 @@ import torch
 
 from . import reference
 
-__all__ = ["use_triton", "popcount64", "expand_first_k", "hit_touch", "translate", "reference"]
+__all__ = ["use_triton", "popcount64", "expand_first_k", "hit_touch", "move_bits", "translate", "reference"]
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -40,9 +40,14 @@ def expand_first_k(words, k: int):
     return (_mod("pblru_kernels") if use_triton(words) else reference).expand_first_k(words, k)
 
 
-def hit_touch(loc_vals, buckets, cur_row: int):
+def hit_touch(loc_vals, stamps, stamp: int):
     return (_mod("pblru_kernels") if use_triton(loc_vals) else reference).hit_touch(
-        loc_vals, buckets, cur_row)
+        loc_vals, stamps, stamp)
+
+
+def move_bits(words, counts, slots, old_row, new_row):
+    return (_mod("pblru_kernels") if use_triton(words) else reference).move_bits(
+        words, counts, slots, old_row, new_row)
 
 
 def translate(addrs, table, rank: int, world: int, pub_rank: int | None = None):

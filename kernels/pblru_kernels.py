@@ -41,23 +41,35 @@ def _expand_kernel(words_ptr, excl_ptr, out_ptr, M, K, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _hit_touch_kernel(loc_ptr, n, buckets_ptr, W, B: tl.constexpr, cur_row,
-                      hit_ptr, slot_ptr, BLOCK: tl.constexpr):
+def _hit_touch_kernel(loc_ptr, n, stamps_ptr, stamp, hit_ptr, slot_ptr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     v = tl.load(loc_ptr + offs, mask=m, other=-1)
-    hit = (v >= 0) & ((v >> 32) == 0) & m
-    slot = tl.where(hit, v & 0xFFFFFFFF, -1)
+    hit = ((v >> 32) == 0) & m
+    slot = tl.where(hit, v, -1)
     tl.store(hit_ptr + offs, hit.to(tl.int8), mask=m)
     tl.store(slot_ptr + offs, slot, mask=m)
-    s = tl.where(hit, slot, 0)
+    # Touch = write the bucket label (round stamp); entries are unique, so no races.
+    tl.store(stamps_ptr + tl.where(hit, v, 0), tl.full([BLOCK], 0, tl.int64) + stamp, mask=hit)
+
+
+@triton.jit
+def _move_bits_kernel(words_ptr, counts_ptr, slots_ptr, old_ptr, new_ptr, n, W,
+                      BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    s = tl.load(slots_ptr + offs, mask=m, other=0)
+    o = tl.load(old_ptr + offs, mask=m, other=0)
+    nw = tl.load(new_ptr + offs, mask=m, other=0)
     word = s >> 6
     bit = tl.full([BLOCK], 1, tl.int64) << (s & 63)
-    # Clear from every bucket, then set in the current one; atomics make concurrent
-    # updates of different bits of the same word safe.
-    for b in tl.static_range(B):
-        tl.atomic_and(buckets_ptr + b * W + word, ~bit, mask=hit)
-    tl.atomic_or(buckets_ptr + cur_row * W + word, bit, mask=hit)
+    # Clear in the old row, then set in the new one (same thread: ordered even if equal);
+    # atomics make concurrent updates of different bits of one word safe.
+    tl.atomic_and(words_ptr + o * W + word, ~bit, mask=m)
+    tl.atomic_or(words_ptr + nw * W + word, bit, mask=m)
+    one = tl.full([BLOCK], 1, tl.int64)
+    tl.atomic_add(counts_ptr + o, -one, mask=m)
+    tl.atomic_add(counts_ptr + nw, one, mask=m)
 
 
 _BLOCK_W = 64
@@ -88,15 +100,24 @@ def expand_first_k(words: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def hit_touch(loc_vals: torch.Tensor, buckets: torch.Tensor, cur_row: int):
+def hit_touch(loc_vals: torch.Tensor, stamps: torch.Tensor, stamp: int):
     n = loc_vals.numel()
     hit = torch.empty(n, dtype=torch.int8, device=loc_vals.device)
     slots = torch.empty(n, dtype=torch.int64, device=loc_vals.device)
     if n:
-        B, W = buckets.shape
         _hit_touch_kernel[(triton.cdiv(n, _BLOCK_N),)](
-            loc_vals.contiguous(), n, buckets, W, B, cur_row, hit, slots, BLOCK=_BLOCK_N)
-    return hit.bool(), slots
+            loc_vals.contiguous(), n, stamps, stamp, hit, slots, BLOCK=_BLOCK_N)
+    hit = hit.bool()
+    return hit, slots, loc_vals.masked_select(hit)
+
+
+def move_bits(words: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor,
+              old_row: torch.Tensor, new_row: torch.Tensor) -> None:
+    n = slots.numel()
+    if n:
+        _move_bits_kernel[(triton.cdiv(n, _BLOCK_N),)](
+            words, counts, slots.contiguous(), old_row.contiguous(), new_row.contiguous(), n,
+            words.shape[1], BLOCK=_BLOCK_N)
 
 
 assert SLOT_BITS == 32 and SLOT_MASK == 0xFFFFFFFF  # the kernels hard-code this layout

@@ -76,20 +76,52 @@ def slots_to_words(slots: torch.Tensor, num_words: int) -> torch.Tensor:
     return mask
 
 
-def hit_touch(loc_vals: torch.Tensor, buckets: torch.Tensor, cur_row: int):
+def hit_touch(loc_vals: torch.Tensor, stamps: torch.Tensor, stamp: int):
     """Hit detection + PB-LRU touch. ``loc_vals`` are internal table values of unique entries.
 
-    Device hits move to bucket row ``cur_row`` of ``buckets`` [B, W] (cleared from every other
-    row). Returns ``(hit_mask, slots)`` with ``slots`` = device slot or -1.
+    A device hit (tier 0; ``-1 >> 32`` is -1, so unmapped is no hit) gets ``stamps[slot] =
+    stamp`` (its bucket label: the round of last use). Returns ``(hit_mask, slots,
+    hit_slots)`` with ``slots`` = device slot or -1 and ``hit_slots`` the slots of the hits.
     """
-    hit = (loc_vals >= 0) & ((loc_vals >> SLOT_BITS) == 0)
-    slots = torch.where(hit, loc_vals & SLOT_MASK, torch.full_like(loc_vals, -1))
-    hs = slots.masked_select(hit)
+    hit = (loc_vals >> SLOT_BITS) == 0
+    slots = torch.where(hit, loc_vals, -1)
+    hs = loc_vals.masked_select(hit)
     if hs.numel():
-        mask = slots_to_words(hs, buckets.shape[1])
-        buckets &= ~mask
-        buckets[cur_row] |= mask
-    return hit, slots
+        stamps.index_fill_(0, hs, stamp)
+    return hit, slots, hs
+
+
+_BIT_CACHE: dict = {}
+
+
+def bit64(device) -> torch.Tensor:
+    """[64] int64: ``1 << i`` (bit 63 is the sign bit)."""
+    b = _BIT_CACHE.get(device)
+    if b is None:
+        b = torch.ones(64, dtype=torch.int64, device=device) << torch.arange(64, device=device)
+        _BIT_CACHE[device] = b
+    return b
+
+
+def move_bits(words: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor,
+              old_row: torch.Tensor, new_row: torch.Tensor) -> None:
+    """Move unique ``slots`` from bitmap row ``old_row`` to ``new_row`` (per slot; may be equal).
+
+    ``words`` [rows, W] int64 bitmaps, every slot's bit set in its old row; ``counts`` [rows]
+    members per row. Sparse: only the touched words change. ``slots`` must be unique (distinct
+    bits, so adding / subtracting them is OR / AND-NOT).
+    """
+    if slots.numel() == 0:
+        return
+    W = words.shape[1]
+    wi = slots >> 6
+    bit = bit64(slots.device).index_select(0, slots & 63)
+    flat = words.view(-1)
+    flat.index_add_(0, old_row * W + wi, bit, alpha=-1)
+    flat.index_add_(0, new_row * W + wi, bit)
+    one = torch.ones_like(slots)
+    counts.index_add_(0, old_row, one, alpha=-1)
+    counts.index_add_(0, new_row, one)
 
 
 def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,

@@ -21,7 +21,8 @@ tt = importlib.import_module("ulacache_vllm.kernels.translate_kernels")
 
 
 def test_kernels_really_interpreted():
-    for fn in (tk._popcount_kernel, tk._expand_kernel, tk._hit_touch_kernel, tt._translate_kernel):
+    for fn in (tk._popcount_kernel, tk._expand_kernel, tk._hit_touch_kernel, tk._move_bits_kernel,
+               tt._translate_kernel):
         assert isinstance(fn, InterpretedFunction), "Triton kernels would not run on CPU"
 
 
@@ -45,17 +46,9 @@ def test_popcount_and_expand(seed, n, density, k):
 
 
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10**6), S=st.integers(1, 700), B=st.integers(1, 6), n=st.integers(0, 300))
-def test_hit_touch(seed, S, B, n):
+@given(seed=st.integers(0, 10**6), S=st.integers(1, 700), n=st.integers(0, 300), stamp=st.integers(0, 2**40))
+def test_hit_touch(seed, S, n, stamp):
     g = torch.Generator().manual_seed(seed)
-    W = -(-S // 64)
-    buckets = torch.zeros(B, W, dtype=torch.int64)
-    # Disjoint random bucket membership per slot.
-    label = torch.randint(-1, B, (S,), generator=g)
-    for b in range(B):
-        sl = (label == b).nonzero().squeeze(1)
-        if sl.numel():
-            buckets[b] |= ref.slots_to_words(sl, W)
     # Unique entries: device hits on distinct slots, host entries, unmapped.
     kind = torch.randint(0, 3, (n,), generator=g)
     slots = torch.randperm(S, generator=g)[: n] if n <= S else torch.randint(0, S, (n,), generator=g)
@@ -63,17 +56,43 @@ def test_hit_touch(seed, S, B, n):
         kind = torch.where(torch.arange(n) < S, kind, torch.full_like(kind, 1))
         slots[:S] = torch.randperm(S, generator=g)
     loc = torch.where(kind == 0, slots, torch.where(kind == 1, (1 << 32) | slots, -1))
-    cur = int(torch.randint(0, B, (1,), generator=g))
-    b1, b2 = buckets.clone(), buckets.clone()
-    h1, s1 = ref.hit_touch(loc, b1, cur)
-    h2, s2 = tk.hit_touch(loc, b2, cur)
-    assert torch.equal(h1, h2) and torch.equal(s1, s2) and torch.equal(b1, b2)
-    hs = s1[h1]
-    if hs.numel():
-        m = ref.slots_to_words(hs, W)
-        assert torch.equal(b1[cur] & m, m)
-        others = torch.cat([b1[:cur], b1[cur + 1:]])
-        assert not (others & m).any()
+    st0 = torch.randint(0, 1000, (S,), generator=g)
+    a1, a2 = st0.clone(), st0.clone()
+    h1, s1, hs1 = ref.hit_touch(loc, a1, stamp)
+    h2, s2, hs2 = tk.hit_touch(loc, a2, stamp)
+    assert torch.equal(h1, h2) and torch.equal(s1, s2) and torch.equal(hs1, hs2) and torch.equal(a1, a2)
+    assert torch.equal(h1, kind == 0) and torch.equal(s1, torch.where(kind == 0, slots, -1))
+    expect = st0.clone()
+    expect[slots[kind == 0]] = stamp
+    assert torch.equal(a1, expect)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), S=st.integers(1, 700), B=st.integers(1, 6), n=st.integers(0, 300))
+def test_move_bits(seed, S, B, n):
+    g = torch.Generator().manual_seed(seed)
+    W = -(-S // 64)
+    label = torch.randint(0, B, (S,), generator=g)  # every slot in exactly one row
+    words = torch.zeros(B, W, dtype=torch.int64)
+    for b in range(B):
+        sl = (label == b).nonzero().squeeze(1)
+        if sl.numel():
+            words[b] |= ref.slots_to_words(sl, W)
+    counts = torch.bincount(label, minlength=B)
+    slots = torch.randperm(S, generator=g)[: min(n, S)]
+    new = torch.randint(0, B, (slots.numel(),), generator=g)
+    old = label[slots]
+    w1, c1, w2, c2 = words.clone(), counts.clone(), words.clone(), counts.clone()
+    ref.move_bits(w1, c1, slots, old, new)
+    tk.move_bits(w2, c2, slots, old, new)
+    assert torch.equal(w1, w2) and torch.equal(c1, c2)
+    label[slots] = new
+    expect = torch.zeros(B, W, dtype=torch.int64)
+    for b in range(B):
+        sl = (label == b).nonzero().squeeze(1)
+        if sl.numel():
+            expect[b] |= ref.slots_to_words(sl, W)
+    assert torch.equal(w1, expect) and torch.equal(c1, torch.bincount(label, minlength=B))
 
 
 @settings(max_examples=15, deadline=None)

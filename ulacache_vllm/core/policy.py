@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
+from ulacache_vllm.kernels.reference import SLOT_BITS
 
 
 class EvictionPolicy:
@@ -19,9 +19,9 @@ class EvictionPolicy:
 
         Returns ``(hit_mask, slots)`` (slot -1 where not a device hit).
         """
-        hit = (loc_vals >= 0) & ((loc_vals >> SLOT_BITS) == 0)
-        slots = torch.where(hit, loc_vals & SLOT_MASK, torch.full_like(loc_vals, -1))
-        hs = slots.masked_select(hit)
+        hit = (loc_vals >> SLOT_BITS) == 0  # -1 (unmapped) >> 32 is -1: no hit
+        slots = torch.where(hit, loc_vals, -1)  # tier 0: the value is the slot
+        hs = loc_vals.masked_select(hit)
         if hs.numel():
             self.touch(hs)
         return hit, slots
