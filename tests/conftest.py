@@ -4,6 +4,8 @@
 git-ignored ``models_cache/tests/``) the tiny random-weight models of
 ``ulacache_vllm.models``. A cached directory is reused only if it was built by the same
 factory source, name, seed and overrides (the key is hashed into the directory name).
+Directories built by an older factory source are deleted once they are an hour old (young
+ones may belong to a concurrent session still running the old source).
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,6 +42,13 @@ class TinyModels:
     def __init__(self, root: Path):
         self.root = root
         self.fingerprint = _factory_fingerprint()
+        self._prune_stale()
+
+    def _prune_stale(self, max_age_s: float = 3600) -> None:
+        for d in self.root.iterdir():
+            if d.is_dir() and f"-{self.fingerprint}-" not in d.name \
+                    and time.time() - d.stat().st_mtime > max_age_s:
+                shutil.rmtree(d, ignore_errors=True)
 
     def __call__(self, name: str, *, seed: int = 0, weights_from: Path | None = None,
                  **overrides) -> Path:
@@ -47,7 +58,7 @@ class TinyModels:
         key = json.dumps([self.fingerprint, name, seed, overrides,
                           str(weights_from) if weights_from else None], sort_keys=True)
         digest = hashlib.sha256(key.encode()).hexdigest()[:10]
-        out = self.root / f"{name}-{digest}"
+        out = self.root / f"{name}-{self.fingerprint}-{digest}"
         if not (out / BUILD_INFO).exists():
             build_model(name, out, overrides=overrides or None, seed=seed,
                         weights_from=weights_from)
