@@ -22,4 +22,5 @@ class UlaWorkerExtension:
             "hits": sum(g.mapping.stats.hits for g in store.groups),
         }
         out["step"] = store.step
+        out["time_s"] = dict(store.time_s)
         return out

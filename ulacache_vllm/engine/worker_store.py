@@ -11,6 +11,7 @@ then signal the fence; attention reads only slots returned after that.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -76,6 +77,8 @@ class UlaWorkerStore:
         self.step = 0
         self.fast_path = settings.fast_path
         self.counters = StoreCounters()
+        self.time_s = {"write": 0.0, "read": 0.0, "copy": 0.0, "begin": 0.0}
+        self._last_report, self._usage_changed = 0, False
         self._trace = open(settings.trace_path, "a") if settings.trace_path else None
         if self._trace is not None:
             self._trace.write(json.dumps({"num_logical": layout.num_blocks * bs}) + "\n")
@@ -96,6 +99,11 @@ class UlaWorkerStore:
     # ------------------------------------------------------------------ per step
     def begin_step(self, freed_blocks: list[int]) -> None:
         """Start of a scheduling round: release dead logical blocks, advance the LRU rings."""
+        t0 = time.perf_counter()
+        self._begin(freed_blocks)
+        self.time_s["begin"] += time.perf_counter() - t0
+
+    def _begin(self, freed_blocks: list[int]) -> None:
         self.step += 1
         if freed_blocks:
             bs = self.layout.block_size
@@ -103,6 +111,7 @@ class UlaWorkerStore:
             addrs = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).reshape(-1)
             for g in self.groups:
                 g.mapping.free(addrs)
+            self._usage_changed = True
             self._record(0, "free", 0, addrs)
         for g in self.groups:
             g.mapping.advance_round()
@@ -135,9 +144,11 @@ class UlaWorkerStore:
 
     def _apply(self, g: _Group, plan) -> None:
         if not plan.empty:
+            t0 = time.perf_counter()
             self.counters.promotions += int(plan.promote_src_host.numel())
             self.counters.demotions += int(plan.demote_src_device.numel())
             g.mapping.apply(plan, self.copy_fn(g))
+            self.time_s["copy"] += time.perf_counter() - t0
 
     def _record(self, gid: int, kind: str, _req, addrs: torch.Tensor, reqs=None) -> None:
         if self._trace is None or addrs.numel() == 0:
@@ -157,8 +168,14 @@ class UlaWorkerStore:
             "host_capacity": self.layout.host_slots * len(self.groups),
         }
 
+    def stats_due(self, every: int) -> bool:
+        c = self.counters
+        changed = c.promotions or c.demotions or self._usage_changed
+        return bool(changed) or self.step - self._last_report >= every
+
     def take_counters(self) -> StoreCounters:
         out, self.counters = self.counters, StoreCounters()
+        self._last_report, self._usage_changed = self.step, False
         return out
 
 
@@ -170,6 +187,13 @@ class GroupTranslator(KVTranslator):
         self.g = group
 
     def write_slots(self, layer_name: str, slot_mapping: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return self._write(slot_mapping)
+        finally:
+            self.store.time_s["write"] += time.perf_counter() - t0
+
+    def _write(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         g, step = self.g, self.store.step
         if g.step_write is not None and g.step_write[0] == step and torch.equal(
                 g.step_write[1], slot_mapping):
@@ -217,6 +241,13 @@ class GroupTranslator(KVTranslator):
                 yield cs, ce, self._resolve(logical[cs:ce])
 
     def _resolve(self, logical: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return self._resolve_inner(logical)
+        finally:
+            self.store.time_s["read"] += time.perf_counter() - t0
+
+    def _resolve_inner(self, logical: torch.Tensor) -> torch.Tensor:
         g, st = self.g, self.store
         flat = logical.reshape(-1)
         m = g.mapping

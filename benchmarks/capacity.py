@@ -1,0 +1,201 @@
+"""Capacity benchmark: admitted concurrent requests and throughput at equal memory.
+
+One long-prompt workload (KV dominates) under one total budget D + H, three configurations
+measured side by side in one run, each in its own engine process:
+
+  stock-D      stock vLLM, KV budget D on the device only
+  stock-D+H    stock vLLM, D + H all on the device (the physical upper bound)
+  ulacache     --kv-backend ulacache, D on the device and H in the host pool
+
+Reports the peak number of simultaneously running requests, output tokens/s, mean decode-step
+time at equal batch size, and batch-1 TPOT with everything on the device (ulacache's fast
+path) against stock. Prints a table, writes JSON + a plot to benchmarks/results/.
+
+    python benchmarks/capacity.py --quick
+    python benchmarks/capacity.py --model /path/to/dsa-model --device-gib 8 --host-gib 32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MARK = "@@CAPACITY@@"
+
+
+# ----------------------------------------------------------------------------- worker side
+def _worker(cfg: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kw = dict(kv_cache_memory_bytes=cfg["kv_bytes"], kv_backend=cfg["backend"])
+    if cfg["backend"] == "ulacache":
+        kw["ula_host_pool_gib"] = cfg["host_bytes"] / (1 << 30)
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0,
+              max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
+              disable_log_stats=False, **kw)
+    eng = llm.llm_engine
+    tok = llm.get_tokenizer()
+    words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
+             "omicron pi rho sigma tau upsilon phi chi psi omega").split()
+
+    def prompt(i, n_tokens):
+        text, j = [], 0
+        while len(tok.encode(" ".join(text))) < n_tokens:
+            text.append(words[(i * 5 + j * 3) % len(words)])
+            j += 1
+        return " ".join(text)
+
+    def run(prompts, max_tokens):
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"r{time.monotonic_ns()}-{i}", p, sp)
+        peak, step_times, batch_sizes, decode_only = 0, [], [], []
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            s = time.perf_counter()
+            outs = eng.step()
+            step_times.append(time.perf_counter() - s)
+            batch_sizes.append(len(outs))
+            peak = max(peak, len(outs))
+            # A step that produced some request's first token ran a prefill.
+            decode_only.append(all(len(o.outputs[0].token_ids) > 1 for o in outs) and bool(outs))
+        wall = time.perf_counter() - t0
+        return {"peak_running": peak, "wall_s": wall, "step_times": step_times,
+                "batch_sizes": batch_sizes, "decode_only": decode_only}
+
+    res = {"name": cfg["name"]}
+    prompts = [prompt(i, cfg["prompt_tokens"]) for i in range(cfg["num_requests"])]
+    load = run(prompts, cfg["output_tokens"])
+    res["peak_running"] = load["peak_running"]
+    res["output_tok_s"] = cfg["num_requests"] * cfg["output_tokens"] / load["wall_s"]
+    # Decode-step time at each batch size seen (steps that ran a prefill excluded).
+    per_bs: dict[int, list[float]] = {}
+    for t, b, d in zip(load["step_times"], load["batch_sizes"], load["decode_only"]):
+        if d:
+            per_bs.setdefault(b, []).append(t)
+    res["step_ms_by_batch"] = {str(b): 1000 * statistics.median(v) for b, v in per_bs.items()}
+    # Batch-1 TPOT with a short prompt: everything fits on the device.
+    one = run([prompt(999, 64)], cfg["tpot_tokens"])
+    res["tpot_ms"] = 1000 * statistics.median(
+        [t for t, d in zip(one["step_times"], one["decode_only"]) if d])
+    if cfg["backend"] == "ulacache":
+        res["usage"] = llm.collective_rpc("ulacache_usage")[0]
+    return res
+
+
+# ----------------------------------------------------------------------------- driver side
+def _spawn(cfg: dict) -> dict:
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], env=env,
+                         capture_output=True, text=True, timeout=cfg["timeout"])
+    for line in out.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    raise RuntimeError(f"{cfg['name']} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
+
+
+def _build_default_model() -> str:
+    from ulacache_vllm.models import build_model
+
+    path = Path(__file__).resolve().parents[1] / "models_cache" / "bench-deepseek-v32"
+    if not (path / "config.json").exists():
+        build_model("deepseek_v32", path)
+    return str(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="DSA model (default: embedded tiny DeepSeek-V3.2)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device-bytes", type=int, default=12_000_000, help="D: device KV budget")
+    ap.add_argument("--host-bytes", type=int, default=24_000_000, help="H: host pool")
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=700)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--tpot-tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS / "capacity"))
+    args = ap.parse_args()
+    if args.worker:
+        res = _worker(json.loads(args.worker))
+        print(MARK + json.dumps(res), flush=True)
+        return
+    if args.quick:
+        args.num_requests, args.output_tokens, args.tpot_tokens = 12, 16, 32
+    model = args.model or _build_default_model()
+    base = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=max(args.num_requests, 1), num_requests=args.num_requests,
+                prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                tpot_tokens=args.tpot_tokens, host_bytes=args.host_bytes, timeout=1800)
+    D, H = args.device_bytes, args.host_bytes
+    configs = [
+        dict(base, name="stock-D", backend="vllm", kv_bytes=D),
+        dict(base, name="stock-D+H", backend="vllm", kv_bytes=D + H),
+        dict(base, name="ulacache", backend="ulacache", kv_bytes=D),
+    ]
+    results = {c["name"]: _spawn(c) for c in configs}
+    upper = results["stock-D+H"]["peak_running"]
+    ula, stock = results["ulacache"], results["stock-D"]
+    common = sorted(set(ula["step_ms_by_batch"]) & set(stock["step_ms_by_batch"]), key=int)
+    summary = {
+        "ulacache_vs_upper_bound_requests": ula["peak_running"] / max(1, upper),
+        "ulacache_vs_stock_D_requests": ula["peak_running"] / max(1, stock["peak_running"]),
+        "tpot_ratio_ulacache_vs_stock": ula["tpot_ms"] / stock["tpot_ms"],
+        "step_ms_equal_batch": {b: {"stock-D": stock["step_ms_by_batch"][b],
+                                    "ulacache": ula["step_ms_by_batch"][b]} for b in common},
+    }
+    print(f"\nworkload: {args.num_requests} requests x {args.prompt_tokens} prompt tokens, "
+          f"{args.output_tokens} output tokens; D={D} B device, H={H} B host\n")
+    print(f"{'config':<12} {'peak running':>12} {'out tok/s':>10} {'TPOT b=1 ms':>12}")
+    for name, r in results.items():
+        print(f"{name:<12} {r['peak_running']:>12} {r['output_tok_s']:>10.1f} {r['tpot_ms']:>12.2f}")
+    print(f"\nulacache admits {summary['ulacache_vs_upper_bound_requests']:.0%} of the upper "
+          f"bound's concurrent requests ({summary['ulacache_vs_stock_D_requests']:.2f}x stock-D); "
+          f"batch-1 TPOT ratio ulacache/stock = {summary['tpot_ratio_ulacache_vs_stock']:.3f}")
+    print("decode step ms at equal batch size (stock-D vs ulacache):")
+    for b, v in summary["step_ms_equal_batch"].items():
+        print(f"  batch {b:>3}: {v['stock-D']:.2f} vs {v['ulacache']:.2f}")
+    print("tier traffic during the load (ulacache):", ula.get("usage", {}).get("totals"))
+    out = Path(args.out + ("_quick" if args.quick else ""))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"args": vars(args), "results": results, "summary": summary}, indent=2, default=str))
+    _plot(results, summary, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def _plot(results, summary, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(1, 3, figsize=(13, 4))
+    ax[0].bar(names, [results[n]["peak_running"] for n in names], color=["#999", "#555", "#2a7"])
+    ax[0].set_title("peak concurrent requests")
+    ax[1].bar(names, [results[n]["output_tok_s"] for n in names], color=["#999", "#555", "#2a7"])
+    ax[1].set_title("output tokens / s")
+    bs = list(summary["step_ms_equal_batch"])
+    ax[2].plot(bs, [summary["step_ms_equal_batch"][b]["stock-D"] for b in bs], "o-", label="stock-D")
+    ax[2].plot(bs, [summary["step_ms_equal_batch"][b]["ulacache"] for b in bs], "s-", label="ulacache")
+    ax[2].set_xlabel("decode batch size")
+    ax[2].set_ylabel("step ms")
+    ax[2].legend()
+    ax[2].set_title("decode step time at equal batch")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
