@@ -16,7 +16,7 @@ import torch
 
 from . import reference
 
-__all__ = ["use_triton", "popcount64", "expand_first_k", "hit_touch", "move_bits", "translate", "reference"]
+__all__ = ["use_triton", "impl", "popcount64", "expand_first_k", "queue_push", "queue_take", "translate", "reference"]
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -40,14 +40,19 @@ def expand_first_k(words, k: int):
     return (_mod("pblru_kernels") if use_triton(words) else reference).expand_first_k(words, k)
 
 
-def hit_touch(loc_vals, stamps, stamp: int):
-    return (_mod("pblru_kernels") if use_triton(loc_vals) else reference).hit_touch(
-        loc_vals, stamps, stamp)
+def impl(t: torch.Tensor):
+    """The kernel module used for tensors like ``t`` (Triton or the torch reference)."""
+    return _mod("pblru_kernels") if use_triton(t) else reference
 
 
-def move_bits(words, counts, slots, old_row, new_row):
-    return (_mod("pblru_kernels") if use_triton(words) else reference).move_bits(
-        words, counts, slots, old_row, new_row)
+def queue_push(slots, qslot, qpos, start: int, pos=None):
+    return (_mod("pblru_kernels") if use_triton(qslot) else reference).queue_push(
+        slots, qslot, qpos, start, pos)
+
+
+def queue_take(wslots, wpos, qpos, k: int):
+    return (_mod("pblru_kernels") if use_triton(qpos) else reference).queue_take(
+        wslots, wpos, qpos, k)
 
 
 def translate(addrs, table, rank: int, world: int, pub_rank: int | None = None):

@@ -1,4 +1,4 @@
-"""Triton kernels for PB-LRU: hit detection + touch, and first-k victim extraction from bitmaps.
+"""Triton kernels for PB-LRU (queue push, stale filter + first-k) and the free-slot bitmaps.
 
 Same semantics and bit layout as ``kernels.reference`` (which is the CPU path and the oracle).
 Import lazily: ``triton.jit`` decides compiled vs interpreted (``TRITON_INTERPRET=1``) at
@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from .reference import SLOT_BITS, SLOT_MASK
 
 
 @triton.jit
@@ -41,35 +39,36 @@ def _expand_kernel(words_ptr, excl_ptr, out_ptr, M, K, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _hit_touch_kernel(loc_ptr, n, stamps_ptr, stamp, hit_ptr, slot_ptr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    v = tl.load(loc_ptr + offs, mask=m, other=-1)
-    hit = ((v >> 32) == 0) & m
-    slot = tl.where(hit, v, -1)
-    tl.store(hit_ptr + offs, hit.to(tl.int8), mask=m)
-    tl.store(slot_ptr + offs, slot, mask=m)
-    # Touch = write the bucket label (round stamp); entries are unique, so no races.
-    tl.store(stamps_ptr + tl.where(hit, v, 0), tl.full([BLOCK], 0, tl.int64) + stamp, mask=hit)
-
-
-@triton.jit
-def _move_bits_kernel(words_ptr, counts_ptr, slots_ptr, old_ptr, new_ptr, n, W,
-                      BLOCK: tl.constexpr):
+def _queue_push_kernel(slots_ptr, qslot_ptr, qpos_ptr, start, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = offs < n
     s = tl.load(slots_ptr + offs, mask=m, other=0)
-    o = tl.load(old_ptr + offs, mask=m, other=0)
-    nw = tl.load(new_ptr + offs, mask=m, other=0)
-    word = s >> 6
-    bit = tl.full([BLOCK], 1, tl.int64) << (s & 63)
-    # Clear in the old row, then set in the new one (same thread: ordered even if equal);
-    # atomics make concurrent updates of different bits of one word safe.
-    tl.atomic_and(words_ptr + o * W + word, ~bit, mask=m)
-    tl.atomic_or(words_ptr + nw * W + word, bit, mask=m)
-    one = tl.full([BLOCK], 1, tl.int64)
-    tl.atomic_add(counts_ptr + o, -one, mask=m)
-    tl.atomic_add(counts_ptr + nw, one, mask=m)
+    pos = offs.to(tl.int64) + start
+    tl.store(qslot_ptr + pos, s, mask=m)
+    tl.store(qpos_ptr + s, pos, mask=m)  # slots are unique: no races
+
+
+@triton.jit
+def _queue_live_kernel(wslots_ptr, wpos_ptr, qpos_ptr, flags_ptr, n, BLOCK: tl.constexpr):
+    # Stale filter: an entry is live iff it is its slot's latest entry (qpos[slot] == pos).
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    s = tl.load(wslots_ptr + offs, mask=m, other=0)
+    p = tl.load(wpos_ptr + offs, mask=m, other=-2)
+    q = tl.load(qpos_ptr + s, mask=m, other=-1)
+    tl.store(flags_ptr + offs, (q == p).to(tl.int64), mask=m)
+
+
+@triton.jit
+def _queue_first_k_kernel(wslots_ptr, flags_ptr, cum_ptr, out_ptr, n, K, BLOCK: tl.constexpr):
+    # Each live entry writes its slot at its rank among the live ones, if that rank is < K.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    f = tl.load(flags_ptr + offs, mask=m, other=0)
+    rank = tl.load(cum_ptr + offs, mask=m, other=0) - 1
+    keep = m & (f != 0) & (rank < K)
+    s = tl.load(wslots_ptr + offs, mask=keep, other=0)
+    tl.store(out_ptr + rank, s, mask=keep)
 
 
 _BLOCK_W = 64
@@ -100,24 +99,30 @@ def expand_first_k(words: torch.Tensor, k: int) -> torch.Tensor:
     return out
 
 
-def hit_touch(loc_vals: torch.Tensor, stamps: torch.Tensor, stamp: int):
-    n = loc_vals.numel()
-    hit = torch.empty(n, dtype=torch.int8, device=loc_vals.device)
-    slots = torch.empty(n, dtype=torch.int64, device=loc_vals.device)
-    if n:
-        _hit_touch_kernel[(triton.cdiv(n, _BLOCK_N),)](
-            loc_vals.contiguous(), n, stamps, stamp, hit, slots, BLOCK=_BLOCK_N)
-    hit = hit.bool()
-    return hit, slots, loc_vals.masked_select(hit)
-
-
-def move_bits(words: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor,
-              old_row: torch.Tensor, new_row: torch.Tensor) -> None:
+def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, start: int,
+               pos: torch.Tensor | None = None) -> None:
     n = slots.numel()
     if n:
-        _move_bits_kernel[(triton.cdiv(n, _BLOCK_N),)](
-            words, counts, slots.contiguous(), old_row.contiguous(), new_row.contiguous(), n,
-            words.shape[1], BLOCK=_BLOCK_N)
+        _queue_push_kernel[(triton.cdiv(n, _BLOCK_N),)](
+            slots.contiguous(), qslot, qpos, start, n, BLOCK=_BLOCK_N)
 
 
-assert SLOT_BITS == 32 and SLOT_MASK == 0xFFFFFFFF  # the kernels hard-code this layout
+def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: int):
+    m = wslots.numel()
+    if k <= 0 or m == 0:
+        return wslots.new_empty(0), 0, 0
+    wslots, wpos = wslots.contiguous(), wpos.contiguous()
+    flags = torch.empty(m, dtype=torch.int64, device=wslots.device)
+    grid = (triton.cdiv(m, _BLOCK_N),)
+    _queue_live_kernel[grid](wslots, wpos, qpos, flags, m, BLOCK=_BLOCK_N)
+    cum = torch.cumsum(flags, 0)
+    total = int(cum[-1].item())
+    g = min(k, total)
+    out = torch.empty(g, dtype=torch.int64, device=wslots.device)
+    if g:
+        _queue_first_k_kernel[grid](wslots, flags, cum, out, m, g, BLOCK=_BLOCK_N)
+    if total <= k:
+        return out, m, total
+    # The k-th live entry is the first position where the running count reaches k.
+    kt = torch.tensor([k], dtype=cum.dtype, device=cum.device)
+    return out, int(torch.searchsorted(cum, kt).item()) + 1, total

@@ -76,52 +76,45 @@ def slots_to_words(slots: torch.Tensor, num_words: int) -> torch.Tensor:
     return mask
 
 
-def hit_touch(loc_vals: torch.Tensor, stamps: torch.Tensor, stamp: int):
-    """Hit detection + PB-LRU touch. ``loc_vals`` are internal table values of unique entries.
+def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, start: int,
+               pos: torch.Tensor | None = None) -> None:
+    """PB-LRU touch: append unique ``slots`` to the queue at positions ``start, start+1, ...``.
 
-    A device hit (tier 0; ``-1 >> 32`` is -1, so unmapped is no hit) gets ``stamps[slot] =
-    stamp`` (its bucket label: the round of last use). Returns ``(hit_mask, slots,
-    hit_slots)`` with ``slots`` = device slot or -1 and ``hit_slots`` the slots of the hits.
+    ``qslot[start + i] = slots[i]`` and ``qpos[slots[i]] = start + i``: the new entries become
+    the slots' live entries, every older entry of those slots turns stale. ``pos`` may pass
+    those positions precomputed (a view of an arange), saving an op.
     """
-    hit = (loc_vals >> SLOT_BITS) == 0
-    slots = torch.where(hit, loc_vals, -1)
-    hs = loc_vals.masked_select(hit)
-    if hs.numel():
-        stamps.index_fill_(0, hs, stamp)
-    return hit, slots, hs
+    n = slots.numel()
+    if n:
+        qslot[start:start + n] = slots
+        if pos is None:
+            pos = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
+        qpos.index_copy_(0, slots, pos)
 
 
-_BIT_CACHE: dict = {}
+def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: int):
+    """Stale filter + first ``k`` over a queue window.
 
-
-def bit64(device) -> torch.Tensor:
-    """[64] int64: ``1 << i`` (bit 63 is the sign bit)."""
-    b = _BIT_CACHE.get(device)
-    if b is None:
-        b = torch.ones(64, dtype=torch.int64, device=device) << torch.arange(64, device=device)
-        _BIT_CACHE[device] = b
-    return b
-
-
-def move_bits(words: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor,
-              old_row: torch.Tensor, new_row: torch.Tensor) -> None:
-    """Move unique ``slots`` from bitmap row ``old_row`` to ``new_row`` (per slot; may be equal).
-
-    ``words`` [rows, W] int64 bitmaps, every slot's bit set in its old row; ``counts`` [rows]
-    members per row. Sparse: only the touched words change. ``slots`` must be unique (distinct
-    bits, so adding / subtracting them is OR / AND-NOT).
+    ``wslots`` are the window's slots, ``wpos`` their queue positions; an entry is live iff
+    ``qpos[slot] == position``. Returns ``(live_slots, used, n_live)``: the first
+    ``min(k, n_live)`` live slots in window order; ``used``, a count of leading window entries
+    that are all stale or returned (a safe head advance: the whole window when it holds at
+    most ``k`` live entries, else through the ``k``-th live one -- or 0 on CPU when the window
+    is small, where rescanning is cheaper than locating it); ``n_live`` the window's live count.
     """
-    if slots.numel() == 0:
-        return
-    W = words.shape[1]
-    wi = slots >> 6
-    bit = bit64(slots.device).index_select(0, slots & 63)
-    flat = words.view(-1)
-    flat.index_add_(0, old_row * W + wi, bit, alpha=-1)
-    flat.index_add_(0, new_row * W + wi, bit)
-    one = torch.ones_like(slots)
-    counts.index_add_(0, old_row, one, alpha=-1)
-    counts.index_add_(0, new_row, one)
+    m = wslots.numel()
+    if k <= 0 or m == 0:
+        return wslots.new_empty(0), 0, 0
+    valid = qpos.index_select(0, wslots) == wpos
+    live = wslots.masked_select(valid)
+    g = live.numel()
+    if g <= k:
+        return live, m, g
+    used = int(valid.nonzero()[k - 1, 0]) + 1 if m > _EXACT_USED_MIN else 0
+    return live[:k], used, g
+
+
+_EXACT_USED_MIN = 2048
 
 
 def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,

@@ -235,3 +235,78 @@ def test_tp_placement():
         assert t[r] == DEVICE and all(t[i] == 3 for i in range(4) if i != r)
         m.free(addrs)
         assert m.device_used == 0
+
+
+pol_op = st.one_of(
+    st.tuples(st.just("new"), st.integers(1, 8), st.integers(0, 2**31)),
+    st.tuples(st.just("hit"), st.integers(1, 8), st.integers(0, 2**31)),
+    st.tuples(st.just("release"), st.integers(1, 4), st.integers(0, 2**31)),
+    st.tuples(st.just("select"), st.integers(1, 6)),
+    st.tuples(st.just("advance")),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(pol_op, min_size=1, max_size=80), S=st.integers(2, 24),
+       cap_extra=st.integers(0, 6))
+def test_pblru_is_exact_lru(ops, S, cap_extra):
+    """PB-LRU picks exactly ListLRU's victims (same order, same CapacityErrors), including
+    across queue compactions (tiny queue capacity), releases and re-touches."""
+    from ulacache_vllm.core import PBLRU, ListLRU
+
+    pb = PBLRU(S, "cpu", queue_capacity=2 * S + cap_extra)
+    ex = ListLRU(S, "cpu")
+    tracked: list[int] = []
+    cur: set[int] = set()
+
+    def pick(pool, n, seed):
+        if not pool:
+            return []
+        g = torch.Generator().manual_seed(seed)
+        idx = torch.randperm(len(pool), generator=g)[:n].tolist()
+        return [pool[i] for i in idx]
+
+    for o in ops:
+        if o[0] in ("new", "hit"):
+            pool = [s for s in range(S) if s not in tracked] if o[0] == "new" else list(tracked)
+            sl = pick(pool, o[1], o[2])
+            if not sl:
+                continue
+            t = torch.tensor(sl, dtype=torch.int64)
+            if o[0] == "new":
+                pb.touch(t)
+                ex.touch(t)
+                tracked += sl
+            else:  # hit detection path: table values of device entries are the slots
+                vals = torch.cat([t, torch.tensor([-1, (1 << 32) | 3])])
+                h1, s1 = pb.hit_touch(vals)
+                h2, s2 = ex.hit_touch(vals)
+                assert torch.equal(h1, h2) and torch.equal(s1, s2)
+            cur |= set(sl)
+        elif o[0] == "release":
+            sl = pick(tracked, o[1], o[2])
+            if not sl:
+                continue
+            pb.release(torch.tensor(sl))
+            ex.release(torch.tensor(sl))
+            tracked = [s for s in tracked if s not in sl]
+            cur -= set(sl)
+        elif o[0] == "select":
+            k = o[1]
+            r = []
+            for p in (pb, ex):
+                try:
+                    r.append(p.select_victims(k).tolist())
+                except CapacityError:
+                    r.append("cap")
+            assert r[0] == r[1], r
+            if r[0] != "cap":
+                assert not set(r[0]) & cur, "evicted a current-round slot"
+                tracked = [s for s in tracked if s not in r[0]]
+        else:
+            pb.advance_round()
+            ex.advance_round()
+            cur = set()
+        b = pb.bucket_of()
+        assert set((b >= 0).nonzero().squeeze(1).tolist()) == set(tracked)
+        assert set((b == 1).nonzero().squeeze(1).tolist()) == cur

@@ -1,27 +1,42 @@
 """PB-LRU: parallel bucketed LRU over the device pool of one layer group.
 
-Buckets are rows of one int64 bitmap ``words`` [rows, W] (one bit per slot) with a member
-count per row:
+Representation (a choice against the design doc's per-bucket bitmaps; see below):
 
-* row 0: the cold bucket (oldest);
-* rows ``1 .. R``: the ring of recent buckets, round ``t`` in row ``t % R + 1``;
-* rows ``R+1 .. R+C``: age-ordered cold sub-buckets ("coarse" buckets), one per epoch of ``R``
-  rounds, epoch ``e`` in row ``R + 1 + e % C``. Advancing the ring folds the bucket about to be
-  reused into its epoch's coarse bucket; when a coarse bucket is reused it is folded into cold
-  (labels only: a row OR, no data moves). So victims come out in age order at round
-  granularity for ``R`` rounds and at epoch granularity for ``R * C`` more;
-* the last row: untracked slots (free / released), never a victim source.
+* ``qslot`` -- one preallocated append-only queue of touched slots (int64, capacity ``~8 S``).
+  Every touch appends its slots at the tail, so the queue is ordered by time of touch. The
+  queue is cut into per-round *buckets* by position: the current round's bucket is
+  ``[cur_start, tail)``, older rounds lie before it, oldest first. The ring of recent buckets
+  and the cold bucket are just position ranges: folding a bucket into cold costs nothing.
+* ``qpos[slot]`` -- the queue position of the slot's latest entry (-1: untracked, i.e. free,
+  released or just evicted). An entry ``(position p, slot s)`` is *live* iff ``qpos[s] == p``;
+  older entries of a re-touched slot, released slots and consumed victims become stale by
+  that rule alone, with no removal.
 
-Victims: cold, then coarse oldest to newest, then ring oldest to newest, never the current
-bucket (free slots are taken before the policy is asked); within a bucket, slot order.
+Per-step cost is a constant handful of tensor ops, independent of the pool size:
 
-Touch is one scatter: ``stamp[slot] = round`` (the bucket label; hit detection + touch is one
-kernel). The bitmaps follow the labels lazily: touched slots are queued and moved between rows
-in one sparse batch (``move_bits``: only the touched words change) right before a victim
-search, and folds are queued until then too. A round that needs no victims -- free slots
-suffice, or pure hits -- costs the label scatter only (the fast path). The victim search reads
-the row counts (the summary above the rows), then only the words of the rows it needs, only
-their non-zero words, and expands bits of at most ``k`` words.
+* touch (hit, promotion, new entry) = ``queue_push``: one slice write of the slots at the tail
+  plus one ``index_copy_`` of their positions into ``qpos`` (a Triton kernel on CUDA);
+* release / eviction = one ``index_fill_(qpos, slots, -1)``;
+* advance_round = move ``cur_start`` to the tail (no tensor op);
+* victim selection = ``queue_take`` over a window at the queue head, never past ``cur_start``
+  (never the current round): gather ``qpos`` of the window's slots, compare with the window
+  positions (the stale filter), keep the first ``k`` live ones (oldest first). The window is
+  sized from the observed live fraction, so the work is proportional to the victims needed, not
+  to the pool; the head then skips everything consumed, so each stale entry is read about once
+  (small windows that hold more live entries than needed may leave the head in place: a
+  rescan of < 2048 entries is cheaper than an op locating the k-th live one).
+  Free slots are taken from the pool's free bitmap before the policy is asked; a round whose
+  misses fit in the free slots never calls the selection at all (the fast path).
+* the queue is compacted (live entries moved to the front, in order) when the tail reaches the
+  capacity: O(queue) but at most once per ~7 S appended entries, i.e. amortised O(1) per touch.
+
+Victim order is exact LRU at touch granularity (oldest touch first, within one touch call in
+slot order: the order of ``ListLRU``), so hit rates match the exact LRU up to tie-breaking.
+Bitmaps with summary levels (the design doc's "skip empty segments") would need a rebuild or
+a per-touch bit move to follow re-touches; the stale filter over a position-ordered queue finds
+the oldest live members with the same data-parallel gather/compare/compact and skips dead
+segments by advancing the head, at fewer ops per step. ``ring_size`` / ``cold_buckets`` are
+accepted for interface compatibility; they do not change the victim order.
 """
 
 from __future__ import annotations
@@ -33,14 +48,14 @@ from ulacache_vllm import kernels as K
 from .policy import EvictionPolicy
 from .pools import CapacityError
 
-_NONE = 1 << 62  # label of untracked slots: "in the future", so their age clamps to 0
+_MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the scan window
 
 
 class PBLRU(EvictionPolicy):
     name = "pblru"
 
     def __init__(self, num_slots: int, device: torch.device, ring_size: int = 8,
-                 cold_buckets: int = 8):
+                 cold_buckets: int = 8, queue_capacity: int | None = None):
         if ring_size < 1:
             raise ValueError("ring_size must be >= 1")
         if cold_buckets < 0:
@@ -48,167 +63,108 @@ class PBLRU(EvictionPolicy):
         self.ring_size, self.cold_buckets = ring_size, cold_buckets
         self.device = torch.device(device)
         self.num_slots = S = num_slots
-        self.rows = 1 + ring_size + cold_buckets + 1
-        self.none_row = self.rows - 1
-        self.W = W = max(1, -(-S // 64))
-        self.words = torch.zeros(self.rows, W, dtype=torch.int64, device=self.device)
-        full = torch.arange(S, device=self.device)
-        self.words[self.none_row].index_add_(0, full >> 6, K.reference.bit64(self.device).index_select(0, full & 63))
-        self.counts = torch.zeros(self.rows, dtype=torch.int64, device=self.device)
-        self.counts[self.none_row] = S
-        self.stamp = torch.full((S,), _NONE, dtype=torch.int64, device=self.device)  # labels
-        self.bstamp = self.stamp.clone()  # the label each slot's bit currently reflects
-        self._claim = torch.zeros(S, dtype=torch.int64, device=self.device)
+        # Live entries never exceed S and one push adds at most S, so 2 S always fits after a
+        # compaction; more room makes compactions (O(queue)) rarer: one per >= 7 S pushes.
+        self.cap = Q = 8 * S + 4096 if queue_capacity is None else queue_capacity
+        if Q < 2 * S:
+            raise ValueError("queue_capacity must be >= 2 * num_slots")
+        self.qslot = torch.zeros(Q, dtype=torch.int64, device=self.device)
+        self.qpos = torch.full((S,), -1, dtype=torch.int64, device=self.device)
+        self.iota = torch.arange(Q, dtype=torch.int64, device=self.device)  # positions
+        self.head = 0        # queue entries before head are consumed or stale
+        self.cur_start = 0   # first position of the current round's bucket
+        self.tail = 0
         self.round = 0
-        self._queued: list[torch.Tensor] = []  # slots whose label may differ from their bit
-        self._queued_n = 0
-        self._folds: list[tuple[int, int]] = []
-        self._build_lut()
+        self._live = 0.5     # estimated live fraction at the head (window sizing)
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._k = K.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
 
-    # ------------------------------------------------------------------ labels -> rows
-    def _row_of_round(self, t: int) -> int:
-        R, C, c = self.ring_size, self.cold_buckets, self.round
-        f = c - R  # newest round already folded out of the ring
-        if t > f:
-            return t % R + 1
-        if C and t // R > f // R - C:
-            return R + 1 + (t // R) % C
-        return 0
+    # ------------------------------------------------------------------ queue upkeep
+    def _push(self, slots: torch.Tensor) -> None:
+        t = self.tail
+        n = slots.numel()
+        if t + n > self.cap:
+            self._compact()
+            t = self.tail
+        self._k.queue_push(slots, self.qslot, self.qpos, t, self.iota[t:t + n])
+        self.tail = t + n
 
-    def _build_lut(self) -> None:
-        """Row per age: index ``round + 1 - label`` clamped to [0, L-1]; 0 = untracked."""
-        R, C = self.ring_size, self.cold_buckets
-        L = R * (C + 2) + 2
-        c = self.round
-        lut = [self.none_row] + [self._row_of_round(c - a) if c - a >= 0 else 0
-                                 for a in range(L - 1)]
-        lut[-1] = 0  # anything older is cold
-        self._L = L
-        self._lut = torch.tensor(lut, dtype=torch.int64, device=self.device)
-        f = c - R
-        coarse = [R + 1 + (e % C) for e in range(f // R - C + 1, f // R + 1)] if C else []
-        ring = [t % R + 1 for t in range(f + 1, c)]
-        self.order = [0] + coarse + ring  # victim priority, never the current row
-        self._lut_round = c
-
-    def _rows(self, labels: torch.Tensor) -> torch.Tensor:
-        age = torch.rsub(labels, self.round + 1).clamp_(0, self._L - 1)
-        return self._lut.index_select(0, age)
-
-    # ------------------------------------------------------------------ lazy upkeep
-    def _fold(self, src: int, dst: int) -> None:
-        w, c = self.words, self.counts
-        w[dst] |= w[src]
-        w[src].zero_()
-        c[dst] += c[src]
-        c[src] = 0
-
-    def _sync(self) -> None:
-        """Apply queued folds, then move queued slots to the rows of their labels."""
-        if self._folds:
-            for src, dst in self._folds:
-                self._fold(src, dst)
-            self._folds.clear()
-        if self._lut_round != self.round:
-            self._build_lut()
-        if not self._queued:
-            return
-        q = self._queued
-        P = q[0] if len(q) == 1 else torch.cat(q)
-        self._queued, self._queued_n = [], 0
-        if len(q) > 1:  # dedup in O(n): one claim per slot (slots within one call are unique)
-            pos = torch.arange(P.numel(), device=self.device)
-            self._claim.index_copy_(0, P, pos)
-            P = P.masked_select(self._claim.index_select(0, P) == pos)
-        new = self.stamp.index_select(0, P)
-        old = self.bstamp.index_select(0, P)
-        K.move_bits(self.words, self.counts, P, self._rows(old), self._rows(new))
-        self.bstamp.index_copy_(0, P, new)
-
-    def _queue(self, slots: torch.Tensor) -> None:
-        self._queued.append(slots)
-        self._queued_n += slots.numel()
-        if self._queued_n > 4 * self.num_slots:  # bound the queue when no search comes
-            self._sync()
+    def _compact(self) -> None:
+        """Move the live entries to the front of the queue, keeping their order."""
+        h, c, t = self.head, self.cur_start, self.tail
+        qs, qp, io = self.qslot, self.qpos, self.iota
+        past = self._k.queue_take(qs[h:c], io[h:c], qp, c - h)[0]
+        cur = self._k.queue_take(qs[c:t], io[c:t], qp, t - c)[0]
+        live = torch.cat([past, cur])
+        n = live.numel()
+        self._k.queue_push(live, qs, qp, 0, io[:n])
+        self.head, self.cur_start, self.tail = 0, past.numel(), n
 
     # ------------------------------------------------------------------ policy API
     def hit_touch(self, loc_vals):
-        hit, slots, hs = K.hit_touch(loc_vals, self.stamp, self.round)
+        hit = (loc_vals >> 32) == 0  # -1 (unmapped) >> 32 is -1: no hit
+        slots = torch.where(hit, loc_vals, -1)  # tier 0: the value is the slot
+        hs = loc_vals.masked_select(hit)
         if hs.numel():
-            self._queue(hs)
+            self._push(hs)
         return hit, slots
 
     def touch(self, slots):
         if slots.numel():
-            self.stamp.index_fill_(0, slots, self.round)
-            self._queue(slots)
+            self._push(slots)
 
     def release(self, slots):
         if slots.numel():
-            self.stamp.index_fill_(0, slots, _NONE)
-            self._queue(slots)
+            self.qpos.index_fill_(0, slots, -1)
 
     def select_victims(self, k: int) -> torch.Tensor:
         if k <= 0:
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        self._sync()
-        cnt = self.counts.tolist()
-        rows, got = [], 0
-        for r in self.order:
-            if cnt[r]:
-                rows.append(r)
-                got += cnt[r]
-                if got >= k:
-                    break
-        if got < k:
-            raise CapacityError(
-                f"need {k} device victims but only {got} slots are outside the current "
-                "round (the round's working set exceeds the device pool)")
-        W = self.W
-        if len(rows) == 1:
-            w = self.words[rows[0]]
-        else:
-            w = self.words.index_select(0, torch.tensor(rows, device=self.device)).reshape(-1)
-        nz = (w != 0).nonzero().squeeze(1)  # the summary: non-zero words, in priority order
-        if nz.numel() > k:
-            nz = nz[:k]  # every non-zero word holds >= 1 member
-        pos = K.expand_first_k(w.index_select(0, nz), k)
-        victims = nz.index_select(0, pos >> 6).remainder_(W).mul_(64).add_(pos & 63)
-        # Victims become untracked at once; their bits move on the next sync.
-        self.stamp.index_fill_(0, victims, _NONE)
-        self._queue(victims)
+            return self._empty
+        qs, qp, io = self.qslot, self.qpos, self.iota
+        h, end = self.head, self.cur_start
+        parts, need = [], k
+        while True:
+            avail = end - h
+            if avail <= 0:
+                got = k - need
+                raise CapacityError(
+                    f"need {k} device victims but only {got} slots are outside the current "
+                    "round (the round's working set exceeds the device pool)")
+            m = min(avail, int(need / self._live) + 64)
+            vic, used, n_live = self._k.queue_take(qs[h:h + m], io[h:h + m], qp, need)
+            g = vic.numel()
+            self._live = max(_MIN_LIVE, n_live / m)
+            parts.append(vic)
+            h += used
+            need -= g
+            if need == 0:
+                break
+        victims = parts[0] if len(parts) == 1 else torch.cat(parts)
+        qp.index_fill_(0, victims, -1)  # untracked until touched again
+        self.head = h
         return victims
 
     def advance_round(self) -> None:
-        R, C = self.ring_size, self.cold_buckets
-        f = self.round + 1 - R  # the round whose bucket the new current round reuses
-        if f >= 0:
-            src = f % R + 1
-            if C:
-                e = f // R
-                dst = R + 1 + e % C
-                if f % R == 0 and e >= C:
-                    self._folds.append((dst, 0))  # reuse epoch e-C's coarse bucket
-                self._folds.append((src, dst))
-            else:
-                self._folds.append((src, 0))
+        self.cur_start = self.tail
         self.round += 1
 
     # ------------------------------------------------------------------ introspection
     def bucket_of(self) -> torch.Tensor:
-        """Row id per slot (-1 if untracked); O(S), tests only. Checks labels == bitmaps."""
-        self._sync()
-        S = self.num_slots
-        shifts = torch.arange(64, device=self.device, dtype=torch.int64)
-        bits = ((self.words[:, :, None] >> shifts) & 1).reshape(self.rows, -1)[:, :S]
-        if (bits.sum(0) != 1).any():
-            raise AssertionError("slot not in exactly one bucket row")
-        if not torch.equal(bits.sum(1), self.counts):
-            raise AssertionError("row counts disagree with the bitmaps")
-        row = bits.argmax(0)
-        if not torch.equal(row, self._rows(self.stamp)):
-            raise AssertionError("bitmaps disagree with the labels")
-        return torch.where(row == self.none_row, torch.full_like(row, -1), row)
+        """Per slot: 1 = current round's bucket, 0 = an older bucket, -1 untracked.
 
-    def current_row(self) -> int:
-        return self.round % self.ring_size + 1
+        O(S), tests only; checks the queue invariants on the way.
+        """
+        qp = self.qpos
+        tracked = qp >= 0
+        pos = qp.masked_select(tracked)
+        sl = tracked.nonzero().squeeze(1)
+        if pos.numel():
+            if int(pos.min()) < self.head or int(pos.max()) >= self.tail:
+                raise AssertionError("live entry outside [head, tail)")
+            if not torch.equal(self.qslot.index_select(0, pos), sl):
+                raise AssertionError("qpos and the queue disagree")
+        if not self.head <= self.cur_start <= self.tail <= self.cap:
+            raise AssertionError("queue bounds out of order")
+        out = torch.full_like(qp, -1)
+        out.masked_scatter_(tracked, (pos >= self.cur_start).to(torch.int64))
+        return out
