@@ -111,8 +111,8 @@ class UlaWorkerStore:
             addrs = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).reshape(-1)
             for g in self.groups:
                 g.mapping.free(addrs)
+                self._record(g.gid, "free", 0, addrs)
             self._usage_changed = True
-            self._record(0, "free", 0, addrs)
         for g in self.groups:
             g.mapping.advance_round()
 
