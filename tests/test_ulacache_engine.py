@@ -94,6 +94,8 @@ def test_token_exact_parity_under_pressure(runs):
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
     assert m["vllm:ulacache_lookups"] > m["vllm:ulacache_hits"] > 0, m
     assert m["vllm:ulacache_bytes_moved"] > 0, m
+    # It started in identity placement and left it when the device pool overflowed.
+    assert m["vllm:ulacache_fast_path_exits"] >= 1, m
 
 
 def test_abort_frees_everything_and_survivors_match(runs):

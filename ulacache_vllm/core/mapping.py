@@ -280,6 +280,23 @@ class TieredMapping:
                               torch.cat([(HOST << SLOT_BITS) | hdst, victims]))
         return self._slots_out(is_local, idx), plan
 
+    def adopt(self, addrs: torch.Tensor, device_slots: torch.Tensor) -> None:
+        """Register unmapped, unique local entries as already resident at the given free
+        device slots (their rows were written there by an identity-placement fast path)."""
+        self.poll()
+        addrs = addrs.to(self.device, torch.int64).reshape(-1)
+        slots = device_slots.to(self.device, torch.int64).reshape(-1)
+        is_local, idx = self.placement.local(addrs)
+        if not bool(is_local.all()):
+            raise ValueError("adopt: every address must be local and valid")
+        if bool((self.loc.index_select(0, idx) >= 0).any()):
+            raise ValueError("adopt: some addresses are already mapped")
+        self.dev.claim(slots, idx)
+        self.loc.index_put_((idx,), slots)
+        self.visible.index_put_((idx,), slots)
+        self.policy.touch(slots)
+        self.stats.assigned += idx.numel()
+
     def ensure_resident(self, addrs: torch.Tensor):
         """Make the selected entries device-resident; duplicates and -1 padding allowed.
 

@@ -38,6 +38,16 @@ class SlotPool:
         self.num_free -= n
         return slots
 
+    def claim(self, slots: torch.Tensor, entries: torch.Tensor) -> None:
+        """Take the given free ``slots`` (unique) for ``entries``; raises if any is in use."""
+        if slots.numel() == 0:
+            return
+        if bool((self.owner.index_select(0, slots) >= 0).any()):
+            raise CapacityError("claim: some slots are already in use")
+        self.free_bits.remove(slots)
+        self.owner.index_put_((slots,), entries)
+        self.num_free -= slots.numel()
+
     def take(self, slots: torch.Tensor, entries: torch.Tensor) -> None:
         """Re-own already-used ``slots`` (victims handed to new entries)."""
         self.owner.index_put_((slots,), entries)

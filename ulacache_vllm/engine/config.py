@@ -29,7 +29,7 @@ class UlaSettings:
     host_pool_gib: float = 4.0  # host-tier capacity for sparse-MLA KV rows
     lru: str = "pblru"  # victim policy: pblru | exact_ts | exact_list
     trace_path: str | None = None  # opt-in: write per-step selected logical addresses here
-    fast_path: bool = True  # skip lookup bookkeeping while nothing lives on the host
+    fast_path: bool = True  # identity placement (no translation) until the device pool overflows
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "UlaSettings":

@@ -14,7 +14,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallback_chunks")
+COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallback_chunks",
+            "fast_path_exits")
 GAUGES = ("device_used", "host_used", "device_capacity", "host_capacity")
 
 
@@ -52,6 +53,7 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "demotions": "Entries moved device -> host (PB-LRU victims).",
             "bytes_moved": "Bytes copied between the device and host pools.",
             "fallback_chunks": "Attention chunks used because a step's working set exceeded the device pool.",
+            "fast_path_exits": "Switches from identity placement (no translation) to mapped placement.",
         }
         self.counters = {
             k: self._make(self._counter_cls, f"vllm:ulacache_{k}", h) for k, h in help_.items()

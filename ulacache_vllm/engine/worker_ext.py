@@ -22,5 +22,6 @@ class UlaWorkerExtension:
             "hits": sum(g.mapping.stats.hits for g in store.groups),
         }
         out["step"] = store.step
+        out["identity_mode"] = store.identity
         out["time_s"] = dict(store.time_s)
         return out

@@ -7,6 +7,12 @@ device slot (or host slot), and moves copy the rows of all the group's layers. T
 of a group that runs in a step does the lookup, dedup and moves; the others reuse the result.
 Moves follow the ordering rule through `TieredMapping.apply`: copy, then commit the mapping,
 then signal the fence; attention reads only slots returned after that.
+
+Fast path (identity placement): while every written logical address is below the device
+pool size and nothing has ever been demoted, logical slot == device slot, so writes and reads
+need no translation at all (one `index_fill_` per step marks live addresses). The first write
+beyond the device range adopts the live addresses into the mapping tables (in place, nothing
+moves) and the store switches to mapped mode until every entry has been freed again.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping, unpack
+from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
 from ulacache_vllm.core.pools import CapacityError
 
 from .config import UlaSettings
@@ -33,6 +39,7 @@ class StoreCounters:
     demotions: int = 0
     bytes_moved: int = 0
     fallback_chunks: int = 0
+    fast_path_exits: int = 0
 
 
 @dataclass
@@ -76,6 +83,9 @@ class UlaWorkerStore:
         self._add_group(current)
         self.step = 0
         self.fast_path = settings.fast_path
+        self.identity = settings.fast_path
+        self.live = torch.zeros(layout.num_blocks * bs, dtype=torch.bool, device=device)
+        self._id_step, self._id_slots = -1, None
         self.counters = StoreCounters()
         self.time_s = {"write": 0.0, "read": 0.0, "copy": 0.0, "begin": 0.0}
         self._last_report, self._usage_changed = 0, False
@@ -109,12 +119,42 @@ class UlaWorkerStore:
             bs = self.layout.block_size
             blocks = torch.tensor(freed_blocks, dtype=torch.int64, device=self.device)
             addrs = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).reshape(-1)
+            self._usage_changed = True
+            for g in self.groups:
+                self._record(g.gid, "free", 0, addrs)
+            if self.identity:
+                self.live.index_fill_(0, addrs, False)
+                return
             for g in self.groups:
                 g.mapping.free(addrs)
-                self._record(g.gid, "free", 0, addrs)
-            self._usage_changed = True
+            if self.fast_path and all(
+                    g.mapping.device_used == 0 and g.mapping.host_used == 0 for g in self.groups):
+                self.identity = True  # everything freed: identity placement is valid again
+                self.live.zero_()
+                return
+        if not self.identity:
+            for g in self.groups:
+                g.mapping.advance_round()
+
+    def identity_write(self, slot_mapping: torch.Tensor) -> bool:
+        """Fast-path write: True if the rows can go to device slot == logical slot."""
+        if self._id_step == self.step and torch.equal(self._id_slots, slot_mapping):
+            return True
+        valid = slot_mapping.masked_select(slot_mapping >= 0)
+        if valid.numel() and int(valid.max()) >= self.layout.device_slots:
+            self._leave_identity()
+            return False
+        self.live.index_fill_(0, valid, True)
+        self._id_step, self._id_slots = self.step, slot_mapping.clone()
+        return True
+
+    def _leave_identity(self) -> None:
+        addrs = torch.nonzero(self.live).flatten()
         for g in self.groups:
+            g.mapping.adopt(addrs, addrs)
             g.mapping.advance_round()
+        self.identity = False
+        self.counters.fast_path_exits += 1
 
     def copy_fn(self, g: _Group):
         def copy(src_tier, src, dst_tier, dst):
@@ -161,6 +201,11 @@ class UlaWorkerStore:
 
     # ---------------------------------------------------------------- reporting
     def usage(self) -> dict[str, int]:
+        if self.identity:
+            used = int(self.live.sum()) * len(self.groups)
+            return {"device_used": used, "host_used": 0,
+                    "device_capacity": self.layout.device_slots * len(self.groups),
+                    "host_capacity": self.layout.host_slots * len(self.groups)}
         return {
             "device_used": sum(g.mapping.device_used for g in self.groups),
             "host_used": sum(g.mapping.host_used for g in self.groups),
@@ -194,6 +239,10 @@ class GroupTranslator(KVTranslator):
             self.store.time_s["write"] += time.perf_counter() - t0
 
     def _write(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        if self.store.identity and self.store.identity_write(slot_mapping):
+            if self.store._trace is not None:
+                self.store._record(self.g.gid, "append", 0, slot_mapping)
+            return slot_mapping
         g, step = self.g, self.store.step
         if g.step_write is not None and g.step_write[0] == step and torch.equal(
                 g.step_write[1], slot_mapping):
@@ -213,6 +262,12 @@ class GroupTranslator(KVTranslator):
                     req_of_token: torch.Tensor | None) -> Iterator[tuple[int, int, torch.Tensor]]:
         g, step, st = self.g, self.store.step, self.store
         T = logical.shape[0]
+        if st.identity:
+            if st._trace is not None:
+                st._record(g.gid, "select", 0, logical.reshape(-1), None if req_of_token is None
+                           else req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
+            yield 0, T, logical
+            return
         if g.step_read is not None and g.step_read[0] == step and torch.equal(
                 g.step_read[1], logical):
             yield 0, T, g.step_read[2]
@@ -250,16 +305,7 @@ class GroupTranslator(KVTranslator):
     def _resolve_inner(self, logical: torch.Tensor) -> torch.Tensor:
         g, st = self.g, self.store
         flat = logical.reshape(-1)
-        m = g.mapping
-        if st.fast_path and m.host_used == 0 and m.num_pending == 0:
-            # Fast path: nothing lives on the host, so every entry is a device hit; one table
-            # gather replaces dedup, recency touch and move planning (the cost of vLLM's own
-            # block-table conversion). Recency is rebuilt from assignment order under pressure.
-            slots = unpack(m.resolve(flat))[2]
-            n = int((flat >= 0).sum())
-            st.counters.lookups += n
-            st.counters.hits += n
-            return slots.view_as(logical)
+
         before_l, before_h = g.mapping.stats.lookups, g.mapping.stats.hits
         slots, plan = g.mapping.ensure_resident(flat)
         st._apply(g, plan)
