@@ -140,3 +140,32 @@ def test_recorded_trace_replays_through_the_core(runs):
     # Everything the engine appended was freed again by the end of the run.
     assert all(m.device_used == 0 and m.host_used == 0 for m in maps.values())
     assert torch.is_tensor(trace.steps[0].append_addr)
+
+
+MTP_SCRIPT = r"""
+from vllm import LLM, SamplingParams
+llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
+          max_num_seqs=8, seed=0, disable_log_stats=False,
+          speculative_config={"method": "mtp", "num_speculative_tokens": 1}, **ARGS["kw"])
+words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+prompts = [" ".join(words[(i * 3 + j) % 10] for j in range(60 + 20 * i)) for i in range(8)]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()
+     if x.name.startswith("vllm:ulacache_") or x.name == "vllm:spec_decode_num_drafts"}
+emit({"out": [o.outputs[0].token_ids for o in outs], "metrics": m})
+"""
+
+
+def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
+    """DeepSeek-V3.2 with one MTP layer (its own sparse-MLA layer group): greedy speculative
+    decoding gives the same tokens with ulacache under pressure as stock vLLM."""
+    model = str(tiny_model("deepseek_v32", num_nextn_predict_layers=1))
+    ref = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
+        "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900)
+    ula = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
+        "kv_backend": "ulacache", "kv_cache_memory_bytes": 18_000_000,
+        "ula_host_pool_gib": 0.008}}, timeout=900)
+    assert ula["out"] == ref["out"]
+    m = ula["metrics"]
+    assert m["vllm:spec_decode_num_drafts"] > 0, m
+    assert m["vllm:ulacache_promotions"] > 0 and m["vllm:ulacache_demotions"] > 0, m

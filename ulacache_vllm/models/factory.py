@@ -75,6 +75,37 @@ def _random_weights(config, d: Path, seed: int) -> None:
     model.save_pretrained(str(d), safe_serialization=True)
 
 
+def _add_mtp_layers(d: Path, kwargs: dict[str, Any], seed: int) -> None:
+    """Append DeepSeek MTP (next-n prediction) layers, which transformers does not build.
+
+    Layer ``N + i`` (vLLM's `DeepSeekMTP` names) gets a copy of the last decoder layer as its
+    block, unit `enorm`/`hnorm`, the final norm and LM head as `shared_head`, and an
+    `eh_proj` that mostly passes the previous hidden state through (so drafts are sometimes
+    accepted even with random weights).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / WEIGHTS))
+    n = int(kwargs["num_hidden_layers"])
+    hidden = int(kwargs["hidden_size"])
+    gen = torch.Generator().manual_seed(seed + 1)
+    last = f"model.layers.{n - 1}."
+    for i in range(int(kwargs["num_nextn_predict_layers"])):
+        pre = f"model.layers.{n + i}."
+        for k in [k for k in tensors if k.startswith(last)]:
+            tensors[pre + k[len(last):]] = tensors[k].clone()
+        tensors[pre + "enorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        tensors[pre + "hnorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
+        eh = torch.cat([0.05 * torch.randn(hidden, hidden, generator=gen),
+                        torch.eye(hidden)], dim=1)
+        tensors[pre + "eh_proj.weight"] = eh.to(torch.bfloat16)
+        tensors[pre + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+        tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(d / WEIGHTS),
+              metadata={"format": "pt"})
+
+
 def _copy_weights(d: Path, src: Path) -> list[str]:
     """Replace ``d``'s freshly saved weights by the source's tensors of the same names.
 
@@ -141,6 +172,8 @@ def build_model(
         special_ids = save_tokenizer(tmp, kwargs["vocab_size"])
         config = _make_config(name, kwargs, special_ids)
         _random_weights(config, tmp, seed)
+        if src is None and int(kwargs.get("num_nextn_predict_layers", 0) or 0) > 0:
+            _add_mtp_layers(tmp, kwargs, seed)
         if src is not None:
             info["dropped_tensors"] = _copy_weights(tmp, src)
         _finish_config(name, tmp, kwargs)
