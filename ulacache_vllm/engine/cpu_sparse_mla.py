@@ -236,9 +236,21 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
             attn_metadata.block_table,
             kv_c_and_k_pe_cache.shape[1],
         )
-        slots = get_translator(self._layer_name).read_rows(self._layer_name, logical)
-        rows = slots_to_rows(slots, kv_c_and_k_pe_cache.shape[1], stride_rows)
-        out, lse = sparse_mla_attention(q, kv_rows, rows, self.scale, self.kv_lora_rank)
+        translator = get_translator(self._layer_name)
+        bs = kv_c_and_k_pe_cache.shape[1]
+        chunks = translator.read_chunks(self._layer_name, logical,
+                                        attn_metadata.req_id_per_token[:num_tokens])
+        out = lse = None
+        for start, end, slots in chunks:
+            rows = slots_to_rows(slots, bs, stride_rows)
+            o, l = sparse_mla_attention(q[start:end], kv_rows, rows, self.scale,
+                                        self.kv_lora_rank)
+            if start == 0 and end == num_tokens:
+                return o, l
+            if out is None:
+                out = q.new_empty(num_tokens, q.shape[1], self.kv_lora_rank)
+                lse = torch.empty(num_tokens, q.shape[1], dtype=torch.float32, device=q.device)
+            out[start:end], lse[start:end] = o, l
         return out, lse
 
     @property

@@ -20,6 +20,12 @@ class KVTranslator:
     def read_rows(self, layer_name: str, rows: torch.Tensor) -> torch.Tensor:
         return rows
 
+    def read_chunks(self, layer_name: str, rows: torch.Tensor, req_of_token: torch.Tensor):
+        """Yields `(start, end, physical rows of tokens start:end)`; attention for a chunk
+        runs before the next chunk is resolved, so a translator whose device pool cannot hold
+        a whole step's selections may move rows between chunks."""
+        yield 0, rows.shape[0], self.read_rows(layer_name, rows)
+
 
 IDENTITY = KVTranslator()
 _translators: dict[str, KVTranslator] = {}

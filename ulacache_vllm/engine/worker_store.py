@@ -121,7 +121,7 @@ class UlaWorkerStore:
             addrs = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).reshape(-1)
             self._usage_changed = True
             for g in self.groups:
-                self._record(g.gid, "free", 0, addrs)
+                self._record(g.gid, "free", addrs)
             if self.identity:
                 self.live.index_fill_(0, addrs, False)
                 return
@@ -190,7 +190,7 @@ class UlaWorkerStore:
             g.mapping.apply(plan, self.copy_fn(g))
             self.time_s["copy"] += time.perf_counter() - t0
 
-    def _record(self, gid: int, kind: str, _req, addrs: torch.Tensor, reqs=None) -> None:
+    def _record(self, gid: int, kind: str, addrs: torch.Tensor, reqs=None) -> None:
         if self._trace is None or addrs.numel() == 0:
             return
         a = addrs[addrs >= 0]
@@ -241,7 +241,7 @@ class GroupTranslator(KVTranslator):
     def _write(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         if self.store.identity and self.store.identity_write(slot_mapping):
             if self.store._trace is not None:
-                self.store._record(self.g.gid, "append", 0, slot_mapping)
+                self.store._record(self.g.gid, "append", slot_mapping)
             return slot_mapping
         g, step = self.g, self.store.step
         if g.step_write is not None and g.step_write[0] == step and torch.equal(
@@ -250,7 +250,8 @@ class GroupTranslator(KVTranslator):
         slots, plan = g.mapping.assign(slot_mapping)
         self.store._apply(g, plan)
         g.step_write = (step, slot_mapping.clone(), slots)
-        self.store._record(g.gid, "append", 0, slot_mapping)
+        if self.store._trace is not None:
+            self.store._record(g.gid, "append", slot_mapping)
         return slots
 
     def read_rows(self, layer_name: str, rows: torch.Tensor) -> torch.Tensor:
@@ -264,7 +265,7 @@ class GroupTranslator(KVTranslator):
         T = logical.shape[0]
         if st.identity:
             if st._trace is not None:
-                st._record(g.gid, "select", 0, logical.reshape(-1), None if req_of_token is None
+                st._record(g.gid, "select", logical.reshape(-1), None if req_of_token is None
                            else req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
             yield 0, T, logical
             return
@@ -275,9 +276,10 @@ class GroupTranslator(KVTranslator):
         try:
             slots = self._resolve(logical)
             g.step_read = (step, logical.clone(), slots)
-            st._record(g.gid, "select", 0, logical.reshape(-1),
-                       None if req_of_token is None else
-                       req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
+            if st._trace is not None:
+                st._record(g.gid, "select", logical.reshape(-1),
+                           None if req_of_token is None else
+                           req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
             yield 0, T, slots
             return
         except CapacityError:
