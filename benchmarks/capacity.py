@@ -83,6 +83,11 @@ def _worker(cfg: dict) -> dict:
         if d:
             per_bs.setdefault(b, []).append(t)
     res["step_ms_by_batch"] = {str(b): 1000 * statistics.median(v) for b, v in per_bs.items()}
+    # Equal batch size in every configuration: a batch small enough for stock-D to hold.
+    eq = run([prompt(500 + i, cfg["eq_prompt_tokens"]) for i in range(cfg["eq_batch"])], 32)
+    res["eq_batch_step_ms"] = 1000 * statistics.median(
+        [t for t, d, b in zip(eq["step_times"], eq["decode_only"], eq["batch_sizes"])
+         if d and b == cfg["eq_batch"]])
     # Batch-1 TPOT with a short prompt: everything fits on the device.
     one = run([prompt(999, 64)], cfg["tpot_tokens"])
     res["tpot_ms"] = 1000 * statistics.median(
@@ -128,6 +133,8 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--tpot-tokens", type=int, default=64)
+    ap.add_argument("--eq-batch", type=int, default=4, help="batch for the equal-batch step time")
+    ap.add_argument("--eq-prompt-tokens", type=int, default=256)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(RESULTS / "capacity"))
     args = ap.parse_args()
@@ -141,7 +148,8 @@ def main() -> None:
     base = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                 max_num_seqs=max(args.num_requests, 1), num_requests=args.num_requests,
                 prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
-                tpot_tokens=args.tpot_tokens, host_bytes=args.host_bytes, timeout=1800)
+                tpot_tokens=args.tpot_tokens, host_bytes=args.host_bytes, timeout=1800,
+                eq_batch=args.eq_batch, eq_prompt_tokens=args.eq_prompt_tokens)
     D, H = args.device_bytes, args.host_bytes
     configs = [
         dict(base, name="stock-D", backend="vllm", kv_bytes=D),
@@ -162,19 +170,22 @@ def main() -> None:
         "tpot_ratio_ulacache_vs_noop_connector": ula["tpot_ms"] / results["stock-D+noop-conn"]["tpot_ms"],
         "step_ms_equal_batch": {b: {"stock-D": stock["step_ms_by_batch"][b],
                                     "ulacache": ula["step_ms_by_batch"][b]} for b in common},
+        "eq_batch_step_ms": {n: r["eq_batch_step_ms"] for n, r in results.items()},
     }
     print(f"\nworkload: {args.num_requests} requests x {args.prompt_tokens} prompt tokens, "
           f"{args.output_tokens} output tokens; D={D} B device, H={H} B host\n")
-    print(f"{'config':<12} {'peak running':>12} {'out tok/s':>10} {'TPOT b=1 ms':>12}")
+    print(f"{'config':<18} {'peak running':>12} {'out tok/s':>10} {'TPOT b=1 ms':>12}")
     for name, r in results.items():
-        print(f"{name:<12} {r['peak_running']:>12} {r['output_tok_s']:>10.1f} {r['tpot_ms']:>12.2f}")
+        print(f"{name:<18} {r['peak_running']:>12} {r['output_tok_s']:>10.1f} {r['tpot_ms']:>12.2f}")
     print(f"\nulacache admits {summary['ulacache_vs_upper_bound_requests']:.0%} of the upper "
           f"bound's concurrent requests ({summary['ulacache_vs_stock_D_requests']:.2f}x stock-D); "
           f"batch-1 TPOT ratio ulacache/stock = {summary['tpot_ratio_ulacache_vs_stock']:.3f}")
     print(f"attribution: stock + no-op KV connector / stock = "
           f"{summary['tpot_ratio_noop_connector_vs_stock']:.3f}; ulacache / (stock + no-op "
           f"connector) = {summary['tpot_ratio_ulacache_vs_noop_connector']:.3f}")
-    print("decode step ms at equal batch size (stock-D vs ulacache):")
+    print(f"decode step ms at batch {args.eq_batch} (all configs): " + ", ".join(
+        f"{n} {v:.2f}" for n, v in summary["eq_batch_step_ms"].items()))
+    print("decode step ms at equal batch size seen in the load (stock-D vs ulacache):")
     for b, v in summary["step_ms_equal_batch"].items():
         print(f"  batch {b:>3}: {v['stock-D']:.2f} vs {v['ulacache']:.2f}")
     print("tier traffic during the load (ulacache):", ula.get("usage", {}).get("totals"))

@@ -44,6 +44,17 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
 
 def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
     """Runs after VllmConfig is built and the model is known to be supported."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        # The logical->physical translation is wired into the CPU sparse-MLA backend only;
+        # vLLM's CUDA sparse backends would read the pools through their own block-table
+        # conversion and return wrong rows, so refuse instead of serving corrupted output.
+        raise KVBackendError(
+            "--kv-backend ulacache currently runs on vLLM's CPU build only: its translation "
+            "hook (SparseMLAIndexGroup.convert_logical_to_physical_topk) is not wired into the "
+            "CUDA sparse-MLA backends yet. Use --kv-backend vllm on this machine."
+        )
     check_host_pool(vllm_config, settings)
     sc = vllm_config.scheduler_config
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
