@@ -16,6 +16,7 @@ moves) and the store switches to mapped mode until every entry has been freed ag
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Iterator
@@ -107,11 +108,18 @@ class UlaWorkerStore:
             self.group_of[n] = g
 
     # ------------------------------------------------------------------ per step
+    @contextlib.contextmanager
+    def timed(self, key: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.time_s[key] += time.perf_counter() - t0
+
     def begin_step(self, freed_blocks: list[int]) -> None:
         """Start of a scheduling round: release dead logical blocks, advance the LRU rings."""
-        t0 = time.perf_counter()
-        self._begin(freed_blocks)
-        self.time_s["begin"] += time.perf_counter() - t0
+        with self.timed("begin"):
+            self._begin(freed_blocks)
 
     def _begin(self, freed_blocks: list[int]) -> None:
         self.step += 1
@@ -184,11 +192,10 @@ class UlaWorkerStore:
 
     def _apply(self, g: _Group, plan) -> None:
         if not plan.empty:
-            t0 = time.perf_counter()
-            self.counters.promotions += int(plan.promote_src_host.numel())
-            self.counters.demotions += int(plan.demote_src_device.numel())
-            g.mapping.apply(plan, self.copy_fn(g))
-            self.time_s["copy"] += time.perf_counter() - t0
+            with self.timed("copy"):
+                self.counters.promotions += int(plan.promote_src_host.numel())
+                self.counters.demotions += int(plan.demote_src_device.numel())
+                g.mapping.apply(plan, self.copy_fn(g))
 
     def _record(self, gid: int, kind: str, addrs: torch.Tensor, reqs=None) -> None:
         if self._trace is None or addrs.numel() == 0:
@@ -232,11 +239,8 @@ class GroupTranslator(KVTranslator):
         self.g = group
 
     def write_slots(self, layer_name: str, slot_mapping: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        try:
+        with self.store.timed("write"):
             return self._write(slot_mapping)
-        finally:
-            self.store.time_s["write"] += time.perf_counter() - t0
 
     def _write(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         if self.store.identity and self.store.identity_write(slot_mapping):
@@ -298,11 +302,8 @@ class GroupTranslator(KVTranslator):
                 yield cs, ce, self._resolve(logical[cs:ce])
 
     def _resolve(self, logical: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
-        try:
+        with self.store.timed("read"):
             return self._resolve_inner(logical)
-        finally:
-            self.store.time_s["read"] += time.perf_counter() - t0
 
     def _resolve_inner(self, logical: torch.Tensor) -> torch.Tensor:
         g, st = self.g, self.store
