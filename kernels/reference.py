@@ -86,9 +86,12 @@ def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, sta
     """
     n = slots.numel()
     if n:
-        qslot[start:start + n] = slots
         if pos is None:
             pos = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
+        if n <= _PUSH_SCATTER_MAX:  # one op instead of slice + copy_ (the scatter is slower
+            qslot.index_copy_(0, pos, slots)  # per element than a copy: small pushes only)
+        else:
+            qslot[start:start + n] = slots
         qpos.index_copy_(0, slots, pos)
 
 
@@ -110,11 +113,15 @@ def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: 
     g = live.numel()
     if g <= k:
         return live, m, g
-    used = int(valid.nonzero()[k - 1, 0]) + 1 if m > _EXACT_USED_MIN else 0
-    return live[:k], used, g
+    if m <= _EXACT_USED_MIN:
+        return live[:k], 0, g
+    # The k-th live entry's position is its slot's qpos: O(1), no second pass over the mask.
+    kth = int(qpos.index_select(0, live[k - 1:k])) - int(wpos[0])
+    return live[:k], kth + 1, g
 
 
 _EXACT_USED_MIN = 2048
+_PUSH_SCATTER_MAX = 256
 
 
 def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,

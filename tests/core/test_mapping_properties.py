@@ -1,5 +1,6 @@
 """Property tests: random append / select / advance / free sequences over many requests."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -310,3 +311,43 @@ def test_pblru_is_exact_lru(ops, S, cap_extra):
         b = pb.bucket_of()
         assert set((b >= 0).nonzero().squeeze(1).tolist()) == set(tracked)
         assert set((b == 1).nonzero().squeeze(1).tolist()) == cur
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_pblru_is_exact_lru_large_windows(seed):
+    """Large pools: scan windows beyond the lazy-head limit (exact head advance read off qpos),
+    multi-window selections and window-view reuse pick exactly ListLRU's victims."""
+    from ulacache_vllm.core import PBLRU, ListLRU
+
+    S = 6000
+    g = torch.Generator().manual_seed(seed)
+    pb, ex = PBLRU(S, "cpu"), ListLRU(S, "cpu")
+    tracked = torch.zeros(S, dtype=torch.bool)
+    for _ in range(60):
+        free = (~tracked).nonzero().squeeze(1)
+        new = free.index_select(0, torch.randperm(free.numel(), generator=g)[: int(torch.randint(0, 1500, (1,), generator=g))])
+        for p in (pb, ex):
+            p.touch(new)
+        tracked.index_fill_(0, new, True)
+        live = tracked.nonzero().squeeze(1)
+        hit = live.index_select(0, torch.randperm(live.numel(), generator=g)[: int(torch.randint(0, 2500, (1,), generator=g))])
+        for p in (pb, ex):
+            p.touch(hit)
+        if int(torch.randint(0, 4, (1,), generator=g)) == 0:
+            rel = live.index_select(0, torch.randperm(live.numel(), generator=g)[:200])
+            for p in (pb, ex):
+                p.release(rel)
+            tracked.index_fill_(0, rel, False)
+        for p in (pb, ex):
+            p.advance_round()
+        n_old = int(tracked.sum())
+        for k in (int(torch.randint(1, 3000, (1,), generator=g)), 1, 7):
+            k = min(k, n_old)
+            if k == 0:
+                continue
+            a, b = pb.select_victims(k), ex.select_victims(k)
+            assert torch.equal(a, b)
+            tracked.index_fill_(0, a, False)
+            n_old -= k
+        bk = pb.bucket_of()
+        assert torch.equal(bk >= 0, tracked)

@@ -21,10 +21,16 @@ Per-step cost is a constant handful of tensor ops, independent of the pool size:
 * victim selection = ``queue_take`` over a window at the queue head, never past ``cur_start``
   (never the current round): gather ``qpos`` of the window's slots, compare with the window
   positions (the stale filter), keep the first ``k`` live ones (oldest first). The window is
-  sized from the observed live fraction, so the work is proportional to the victims needed, not
-  to the pool; the head then skips everything consumed, so each stale entry is read about once
-  (small windows that hold more live entries than needed may leave the head in place: a
-  rescan of < 2048 entries is cheaper than an op locating the k-th live one).
+  sized from the observed live fraction (at least ``_MIN_WINDOW`` entries, and the whole rest
+  of ``[head, cur_start)`` when under twice that: one wider scan is cheaper than another round
+  of ops), so the work is proportional to the victims needed, not to the pool; the head then
+  skips everything consumed, so each stale entry is read about once (small windows that hold
+  more live entries than needed may leave the head in place: a rescan of < 2048 entries is
+  cheaper than the ops locating the k-th live one; in large windows its position is read off
+  ``qpos`` of the k-th live slot). The window views are reused while ``(head, size)`` holds.
+  Fixed cost per call (CPU, batch 1): select 5-7 ops (2 window slices unless cached,
+  gather, compare, compact, first-k slice, untrack fill), touch 3 ops (positions slice, queue
+  write, ``qpos`` scatter), hit_touch 4 shared hit-detection ops + a touch.
   Free slots are taken from the pool's free bitmap before the policy is asked; a round whose
   misses fit in the free slots never calls the selection at all (the fast path).
 * the queue is compacted (live entries moved to the front, in order) when the tail reaches the
@@ -45,10 +51,14 @@ import torch
 
 from ulacache_vllm import kernels as K
 
-from .policy import EvictionPolicy
+from .policy import EvictionPolicy, split_hits
 from .pools import CapacityError
 
 _MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the scan window
+# Scan windows: at least _MIN_WINDOW entries (a wider window costs far less than another
+# round of ~7 ops), else the victims still needed / the estimated live fraction * _OVERSCAN.
+_MIN_WINDOW = 1024
+_OVERSCAN = 1.1
 
 
 class PBLRU(EvictionPolicy):
@@ -77,17 +87,19 @@ class PBLRU(EvictionPolicy):
         self.round = 0
         self._live = 0.5     # estimated live fraction at the head (window sizing)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        self._wkey, self._win = None, None  # (head, size) -> cached window views
         self._k = K.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
 
     # ------------------------------------------------------------------ queue upkeep
-    def _push(self, slots: torch.Tensor) -> None:
+    def _push(self, slots: torch.Tensor, n: int) -> None:
         t = self.tail
-        n = slots.numel()
-        if t + n > self.cap:
+        e = t + n
+        if e > self.cap:
             self._compact()
             t = self.tail
-        self._k.queue_push(slots, self.qslot, self.qpos, t, self.iota[t:t + n])
-        self.tail = t + n
+            e = t + n
+        self._k.queue_push(slots, self.qslot, self.qpos, t, self.iota[t:e])
+        self.tail = e
 
     def _compact(self) -> None:
         """Move the live entries to the front of the queue, keeping their order."""
@@ -99,19 +111,20 @@ class PBLRU(EvictionPolicy):
         n = live.numel()
         self._k.queue_push(live, qs, qp, 0, io[:n])
         self.head, self.cur_start, self.tail = 0, past.numel(), n
+        self._wkey = None
 
     # ------------------------------------------------------------------ policy API
     def hit_touch(self, loc_vals):
-        hit = (loc_vals >> 32) == 0  # -1 (unmapped) >> 32 is -1: no hit
-        slots = torch.where(hit, loc_vals, -1)  # tier 0: the value is the slot
-        hs = loc_vals.masked_select(hit)
-        if hs.numel():
-            self._push(hs)
+        hit, slots, hs = split_hits(loc_vals)
+        n = hs.numel()
+        if n:
+            self._push(hs, n)
         return hit, slots
 
     def touch(self, slots):
-        if slots.numel():
-            self._push(slots)
+        n = slots.numel()
+        if n:
+            self._push(slots, n)
 
     def release(self, slots):
         if slots.numel():
@@ -120,9 +133,9 @@ class PBLRU(EvictionPolicy):
     def select_victims(self, k: int) -> torch.Tensor:
         if k <= 0:
             return self._empty
-        qs, qp, io = self.qslot, self.qpos, self.iota
+        qp = self.qpos
         h, end = self.head, self.cur_start
-        parts, need = [], k
+        parts, need = None, k
         while True:
             avail = end - h
             if avail <= 0:
@@ -130,19 +143,30 @@ class PBLRU(EvictionPolicy):
                 raise CapacityError(
                     f"need {k} device victims but only {got} slots are outside the current "
                     "round (the round's working set exceeds the device pool)")
-            m = min(avail, int(need / self._live) + 64)
-            vic, used, n_live = self._k.queue_take(qs[h:h + m], io[h:h + m], qp, need)
+            m = max(_MIN_WINDOW, int(need / self._live * _OVERSCAN) + 64)
+            if 2 * m >= avail:  # a short remainder would cost another round of ops
+                m = avail
+            if self._wkey == (h, m):  # window views are reused while the head stays put
+                ws, wp = self._win
+            else:
+                ws, wp = self.qslot[h:h + m], self.iota[h:h + m]
+                self._wkey, self._win = (h, m), (ws, wp)
+            vic, used, n_live = self._k.queue_take(ws, wp, qp, need)
             g = vic.numel()
             self._live = max(_MIN_LIVE, n_live / m)
-            parts.append(vic)
             h += used
             need -= g
             if need == 0:
                 break
-        victims = parts[0] if len(parts) == 1 else torch.cat(parts)
-        qp.index_fill_(0, victims, -1)  # untracked until touched again
+            if parts is None:
+                parts = []
+            parts.append(vic)
+        if parts is not None:
+            parts.append(vic)
+            vic = torch.cat(parts)
+        qp.index_fill_(0, vic, -1)  # untracked until touched again
         self.head = h
-        return victims
+        return vic
 
     def advance_round(self) -> None:
         self.cur_start = self.tail

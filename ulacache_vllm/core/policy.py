@@ -11,6 +11,23 @@ import torch
 from ulacache_vllm.kernels.reference import SLOT_BITS
 
 
+_NEG1: dict = {}
+
+
+def split_hits(loc_vals: torch.Tensor):
+    """``(hit_mask, slots, hit_slots)`` of internal table values (shared by every policy).
+
+    ``slots`` is -1 where not a device hit; ``hit_slots`` the hits' slots, compacted. The -1
+    fill value is a cached 0-dim tensor (a Python scalar would cost a scalar_tensor op per call).
+    """
+    neg1 = _NEG1.get(loc_vals.device)
+    if neg1 is None:
+        neg1 = _NEG1[loc_vals.device] = torch.full((), -1, dtype=torch.int64, device=loc_vals.device)
+    hit = (loc_vals >> SLOT_BITS) == 0  # -1 (unmapped) >> 32 is -1: no hit
+    slots = torch.where(hit, loc_vals, neg1)  # tier 0: the value is the slot
+    return hit, slots, loc_vals.masked_select(hit)
+
+
 class EvictionPolicy:
     name = "base"
 
@@ -19,9 +36,7 @@ class EvictionPolicy:
 
         Returns ``(hit_mask, slots)`` (slot -1 where not a device hit).
         """
-        hit = (loc_vals >> SLOT_BITS) == 0  # -1 (unmapped) >> 32 is -1: no hit
-        slots = torch.where(hit, loc_vals, -1)  # tier 0: the value is the slot
-        hs = loc_vals.masked_select(hit)
+        hit, slots, hs = split_hits(loc_vals)
         if hs.numel():
             self.touch(hs)
         return hit, slots
