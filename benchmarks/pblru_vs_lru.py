@@ -15,7 +15,6 @@ run. Writes ``benchmarks/results/pblru_vs_lru.{json,png}``.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 import statistics
@@ -23,23 +22,11 @@ import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-try:
-    import ulacache_vllm.kernels  # noqa: F401
-except ModuleNotFoundError:  # source checkout without pip install: map kernels/ like setup.cfg
-    import ulacache_vllm
-    _spec = importlib.util.spec_from_file_location(
-        "ulacache_vllm.kernels", ROOT / "kernels" / "__init__.py",
-        submodule_search_locations=[str(ROOT / "kernels")])
-    _mod = importlib.util.module_from_spec(_spec)
-    sys.modules["ulacache_vllm.kernels"] = _mod
-    _spec.loader.exec_module(_mod)
-    ulacache_vllm.kernels = _mod
 
-import torch  # noqa: E402
+import torch
 
-from ulacache_vllm.core import TieredMapping  # noqa: E402
-from ulacache_vllm.core.trace import generate_dsa_trace, load_trace, replay  # noqa: E402
+from ulacache_vllm.core import TieredMapping
+from ulacache_vllm.core.trace import generate_dsa_trace, load_trace, replay
 
 POLICIES = ("pblru", "exact_ts", "exact_list")
 
