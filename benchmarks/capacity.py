@@ -34,9 +34,6 @@ def _worker(cfg: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     kw = dict(kv_cache_memory_bytes=cfg["kv_bytes"], kv_backend=cfg["backend"])
-    if cfg.get("noop_connector"):
-        kw["kv_transfer_config"] = {"kv_connector": "NoopConnector", "kv_role": "kv_both",
-                                    "kv_connector_module_path": "_noop_connector"}
     if cfg["backend"] == "ulacache":
         kw["ula_host_pool_gib"] = cfg["host_bytes"] / (1 << 30)
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0,
@@ -102,8 +99,6 @@ def _spawn(cfg: dict) -> dict:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).parent),
-                                                    env.get("PYTHONPATH", "")) if p)
     out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], env=env,
                          capture_output=True, text=True, timeout=cfg["timeout"])
     for line in out.stdout.splitlines():
@@ -155,8 +150,6 @@ def main() -> None:
         dict(base, name="stock-D", backend="vllm", kv_bytes=D),
         dict(base, name="stock-D+H", backend="vllm", kv_bytes=D + H),
         dict(base, name="ulacache", backend="ulacache", kv_bytes=D),
-        # Attribution: stock plus a KV connector that does nothing (ulacache's channel is one).
-        dict(base, name="stock-D+noop-conn", backend="vllm", kv_bytes=D, noop_connector=True),
     ]
     results = {c["name"]: _spawn(c) for c in configs}
     upper = results["stock-D+H"]["peak_running"]
@@ -166,8 +159,6 @@ def main() -> None:
         "ulacache_vs_upper_bound_requests": ula["peak_running"] / max(1, upper),
         "ulacache_vs_stock_D_requests": ula["peak_running"] / max(1, stock["peak_running"]),
         "tpot_ratio_ulacache_vs_stock": ula["tpot_ms"] / stock["tpot_ms"],
-        "tpot_ratio_noop_connector_vs_stock": results["stock-D+noop-conn"]["tpot_ms"] / stock["tpot_ms"],
-        "tpot_ratio_ulacache_vs_noop_connector": ula["tpot_ms"] / results["stock-D+noop-conn"]["tpot_ms"],
         "step_ms_equal_batch": {b: {"stock-D": stock["step_ms_by_batch"][b],
                                     "ulacache": ula["step_ms_by_batch"][b]} for b in common},
         "eq_batch_step_ms": {n: r["eq_batch_step_ms"] for n, r in results.items()},
@@ -180,9 +171,6 @@ def main() -> None:
     print(f"\nulacache admits {summary['ulacache_vs_upper_bound_requests']:.0%} of the upper "
           f"bound's concurrent requests ({summary['ulacache_vs_stock_D_requests']:.2f}x stock-D); "
           f"batch-1 TPOT ratio ulacache/stock = {summary['tpot_ratio_ulacache_vs_stock']:.3f}")
-    print(f"attribution: stock + no-op KV connector / stock = "
-          f"{summary['tpot_ratio_noop_connector_vs_stock']:.3f}; ulacache / (stock + no-op "
-          f"connector) = {summary['tpot_ratio_ulacache_vs_noop_connector']:.3f}")
     print(f"decode step ms at batch {args.eq_batch} (all configs): " + ", ".join(
         f"{n} {v:.2f}" for n, v in summary["eq_batch_step_ms"].items()))
     print("decode step ms at equal batch size seen in the load (stock-D vs ulacache):")
