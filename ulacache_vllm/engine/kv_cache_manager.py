@@ -17,13 +17,23 @@ class UlaKVCacheManager(KVCacheManager):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._freed: list[int] = []
+        layout = getattr(self.kv_cache_config, "ulacache_layout", None)
+        # Blocks whose identity placement (logical slot == device slot) lands in the device
+        # pool: while only these are live, the worker needs no translation at all.
+        self._device_blocks = (layout.device_slots // layout.block_size) if layout else 0
 
     def _record_dead(self, block_ids) -> None:
         pool = self.block_pool
+        queue = pool.free_block_queue
         for bid in block_ids:
             blk = pool.blocks[bid]
             if blk.ref_cnt == 0 and not blk.is_null:
                 self._freed.append(bid)
+                if bid >= self._device_blocks:
+                    # vLLM reuses freed blocks first (LIFO); send blocks beyond the device
+                    # range to the back so low blocks are handed out first again.
+                    queue.remove(blk)
+                    queue.append(blk)
 
     def _request_block_ids(self, request_id: str) -> list[int]:
         ids: list[int] = []
