@@ -198,13 +198,15 @@ def _plot(results, summary, path) -> None:
     ax[0].set_title("peak concurrent requests")
     ax[1].bar(names, [results[n]["output_tok_s"] for n in names], color=colors)
     ax[1].set_title("output tokens / s")
-    bs = list(summary["step_ms_equal_batch"])
-    ax[2].plot(bs, [summary["step_ms_equal_batch"][b]["stock-D"] for b in bs], "o-", label="stock-D")
-    ax[2].plot(bs, [summary["step_ms_equal_batch"][b]["ulacache"] for b in bs], "s-", label="ulacache")
-    ax[2].set_xlabel("decode batch size")
-    ax[2].set_ylabel("step ms")
+    x = range(len(names))
+    ax[2].bar([i - 0.2 for i in x], [results[n]["tpot_ms"] for n in names], 0.4,
+              label="TPOT, batch 1")
+    ax[2].bar([i + 0.2 for i in x], [results[n]["eq_batch_step_ms"] for n in names], 0.4,
+              label="decode step, equal batch")
+    ax[2].set_xticks(list(x), names)
+    ax[2].set_ylabel("ms")
     ax[2].legend()
-    ax[2].set_title("decode step time at equal batch")
+    ax[2].set_title("per-step latency")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
