@@ -230,14 +230,10 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
         assert self.topk_indices_buffer is not None
         topk = self.topk_indices_buffer[:num_tokens, : attn_metadata.topk_tokens]
         kv_rows, stride_rows = flat_rows(kv_c_and_k_pe_cache)
-        logical = positions_to_slots(
-            topk,
-            attn_metadata.req_id_per_token[:num_tokens],
-            attn_metadata.block_table,
-            kv_c_and_k_pe_cache.shape[1],
-        )
-        translator = get_translator(self._layer_name)
         bs = kv_c_and_k_pe_cache.shape[1]
+        logical = positions_to_slots(
+            topk, attn_metadata.req_id_per_token[:num_tokens], attn_metadata.block_table, bs)
+        translator = get_translator(self._layer_name)
         chunks = translator.read_chunks(self._layer_name, logical,
                                         attn_metadata.req_id_per_token[:num_tokens])
         out = lse = None
