@@ -64,6 +64,21 @@ def _layer_index(name: str) -> tuple[int, str]:
     return 1 << 30, name
 
 
+def check_host_capacity(host_pool_gib: float, host_tokens: int, bytes_per_token: int,
+                        num_layers: int, max_model_len: int) -> None:
+    """The host pool must hold one request of max_model_len (checked in the front end from the
+    model config, and again in the engine core from the exact layer specs)."""
+    if host_tokens >= max_model_len:
+        return
+    need_gib = math.ceil(max_model_len * bytes_per_token / GIB * 1000) / 1000
+    raise KVBackendError(
+        f"ulacache host pool too small: --ula-host-pool-gib {host_pool_gib} holds "
+        f"{host_tokens} tokens of sparse-MLA KV ({bytes_per_token} bytes/token over "
+        f"{num_layers} layers), fewer than one request of max_model_len={max_model_len}. "
+        f"Set --ula-host-pool-gib to at least {need_gib} or lower --max-model-len."
+    )
+
+
 def split_specs(specs: dict) -> tuple[dict, dict, dict]:
     """(sparse MLA specs, indexer specs, other specs) of one worker."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
@@ -112,14 +127,7 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
     sched = vllm_config.scheduler_config
     topk = getattr(vllm_config.model_config.hf_text_config, "index_topk", 0) or 0
     need_device = sched.max_num_batched_tokens + topk
-    if host_slots < max_model_len:
-        need_gib = math.ceil(max_model_len * M / GIB * 1000) / 1000
-        raise KVBackendError(
-            f"ulacache host pool too small: --ula-host-pool-gib {settings.host_pool_gib} holds "
-            f"{host_slots} tokens of sparse-MLA KV ({M} bytes/token over {len(mla)} layers), "
-            f"fewer than one request of max_model_len={max_model_len}. Set "
-            f"--ula-host-pool-gib to at least {need_gib} or lower --max-model-len."
-        )
+    check_host_capacity(settings.host_pool_gib, host_slots, M, len(mla), max_model_len)
     if device_slots < need_device:
         need_bytes = need_device * (I + P + M) + host_slots * (I + P)
         raise KVBackendError(

@@ -64,11 +64,9 @@ def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
 def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
     """Fails in the front end (before any engine process starts) when the host pool cannot
     hold one request of max_model_len; the engine core re-checks with the exact layer specs."""
-    import math
-
     import torch
 
-    from .sizing import GIB
+    from .sizing import GIB, check_host_capacity
 
     mc = vllm_config.model_config
     text = mc.hf_text_config
@@ -79,14 +77,7 @@ def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
     if per_token <= 0:
         return
     host_tokens = int(settings.host_pool_gib * GIB) // per_token
-    if host_tokens < mc.max_model_len:
-        need = math.ceil(mc.max_model_len * per_token / GIB * 1000) / 1000
-        raise KVBackendError(
-            f"ulacache host pool too small: --ula-host-pool-gib {settings.host_pool_gib} holds "
-            f"{host_tokens} tokens of sparse-MLA KV ({per_token} bytes/token over {layers} "
-            f"layers), fewer than one request of max_model_len={mc.max_model_len}. Set "
-            f"--ula-host-pool-gib to at least {need} or lower --max-model-len."
-        )
+    check_host_capacity(settings.host_pool_gib, host_tokens, per_token, layers, mc.max_model_len)
 
 
 def keep_cpu_core_reservation(vllm_config: Any) -> None:

@@ -166,9 +166,11 @@ class UlaWorkerStore:
 
     def copy_fn(self, g: _Group):
         def copy(src_tier, src, dst_tier, dst):
+            # Staging rows are indices 0..n-1; size the buffer once, not per layer.
+            need = src.numel() if STAGING in (src_tier, dst_tier) else 0
             for name in g.layers:
-                s = self._rows(g, name, src_tier, int(src.max()) + 1 if src.numel() else 0)
-                d = self._rows(g, name, dst_tier, int(dst.max()) + 1 if dst.numel() else 0)
+                s = self._rows(g, name, src_tier, need)
+                d = self._rows(g, name, dst_tier, need)
                 rows = s.index_select(0, src.to(s.device))
                 d.index_copy_(0, dst.to(d.device), rows.to(d.device, non_blocking=True))
             if src_tier != dst_tier and STAGING not in (src_tier, dst_tier):
