@@ -50,6 +50,7 @@ def run_one(trace, pool, lru, repeats, ring, cold):
             last[0] = tot
 
         replay(trace, maps, on_step=on_step)
+        path = getattr(next(iter(maps.values())).policy.inner, "victim_path", lru)
         reps.append(times)
         lk = sum(m.stats.lookups for m in maps.values())
         h = sum(m.stats.hits for m in maps.values()) / max(1, lk)
@@ -57,9 +58,9 @@ def run_one(trace, pool, lru, repeats, ring, cold):
         hit = h
     per_step = [statistics.median(x) for x in zip(*reps)]
     if not per_step:
-        return hit, 0.0, 0.0
+        return hit, 0.0, 0.0, path
     # Median step, and mean step (amortised: includes rare O(pool) work such as compactions).
-    return hit, statistics.median(per_step), statistics.fmean(per_step)
+    return hit, statistics.median(per_step), statistics.fmean(per_step), path
 
 
 def main():
@@ -106,7 +107,7 @@ def main():
                                                  overlap=overlap, seed=1234 + b)))
     rows = []
     hdr = (f"{'batch':>6} {'pool%':>5} {'slots':>8} | {'hit pblru':>9} {'hit ts':>7} {'hit list':>8} "
-           f"{'d/ts':>6} {'d/list':>6} {'noise':>5} | {'ms pblru':>8} {'ms ts':>7} {'ms list':>8} {'speedup':>7} {'mean':>6}")
+           f"{'d/ts':>6} {'d/list':>6} {'noise':>5} | {'ms pblru':>8} {'ms ts':>7} {'ms list':>8} {'speedup':>7} {'mean':>6} {'path':>5}")
     print(hdr)
     print("-" * len(hdr))
     t0 = time.time()
@@ -116,7 +117,9 @@ def main():
             r = dict(batch=b, frac=f, pool=pool, working_set=tr.working_set,
                      peak_demand=tr.peak_demand, clamped=pool > int(f * tr.working_set))
             for lru in POLICIES:
-                hit, med, mean = run_one(tr, pool, lru, repeats, a.ring, a.cold)
+                hit, med, mean, path = run_one(tr, pool, lru, repeats, a.ring, a.cold)
+                if lru == "pblru":
+                    r["pblru_path"] = path
                 r[f"hit_{lru}"], r[f"ms_{lru}"], r[f"ms_mean_{lru}"] = hit * 100, med * 1e3, mean * 1e3
             best_hit = max(r["hit_exact_ts"], r["hit_exact_list"])
             best_ms = min(r["ms_exact_ts"], r["ms_exact_list"])
@@ -132,11 +135,12 @@ def main():
                   f"{r['hit_exact_ts']:7.3f} {r['hit_exact_list']:8.3f} {r['d_ts_pp']:+6.2f} "
                   f"{r['d_list_pp']:+6.2f} {r['noise_pp']:5.2f} | "
                   f"{r['ms_pblru']:8.3f} {r['ms_exact_ts']:7.3f} {r['ms_exact_list']:8.3f} "
-                  f"{r['speed_ratio']:6.2f}x {r['speed_ratio_mean']:5.2f}x", flush=True)
+                  f"{r['speed_ratio']:6.2f}x {r['speed_ratio_mean']:5.2f}x {r['pblru_path']:>5}", flush=True)
     print(f"(* pool raised to 1.25x the peak per-round demand; d/ts, d/list: PB-LRU hit rate minus each "
           f"exact LRU (pp); noise: |ts - list| (pp), the tie-break spread between two exact LRUs; "
           f"speedup = best exact LRU ms / PB-LRU ms, median step, policy calls only; mean: the same "
-          f"ratio of mean step times (amortised, includes queue compactions); "
+          f"ratio of mean step times (amortised, includes queue compactions); path: PB-LRU's victim "
+          f"search, queue windows or the small-pool timestamp scan; "
           f"{time.time() - t0:.1f}s)")
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

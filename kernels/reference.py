@@ -89,10 +89,26 @@ def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, sta
         if pos is None:
             pos = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
         if n <= _PUSH_SCATTER_MAX:  # one op instead of slice + copy_ (the scatter is slower
-            qslot.index_copy_(0, pos, slots)  # per element than a copy: small pushes only)
+            qslot.scatter_(0, pos, slots)  # per element than a copy: small pushes only)
         else:
             qslot[start:start + n] = slots
-        qpos.index_copy_(0, slots, pos)
+        # scatter_ with a tensor source: ~2.5x faster than index_copy_ / index_fill_ on CPU
+        # at 10^4 indices (same semantics for unique indices).
+        qpos.scatter_(0, slots, pos)
+
+
+def fill_at(t: torch.Tensor, idx: torch.Tensor, value: int, src: torch.Tensor) -> None:
+    """``t[idx] = value`` for unique ``idx``. ``src`` is a constant buffer of ``value``, at
+    least ``idx.numel()`` long: from ~1k indices on, scatter_ from a tensor beats index_fill_
+    by ~2x on CPU; below that index_fill_ saves the slice."""
+    n = idx.numel()
+    if n >= _FILL_SCATTER_MIN:
+        t.scatter_(0, idx, src[:n])
+    elif n:
+        t.index_fill_(0, idx, value)
+
+
+_FILL_SCATTER_MIN = 1024
 
 
 def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: int):

@@ -60,7 +60,7 @@ emit(res)
 """
 
 
-def _run(model, backend, trace_path=None):
+def _run(model, backend, trace_path=None, env=None):
     kw = {"kv_backend": backend}
     if backend == "ulacache":
         kw.update(kv_cache_memory_bytes=ULA_KV_BYTES, ula_host_pool_gib=ULA_HOST_GIB,
@@ -68,14 +68,17 @@ def _run(model, backend, trace_path=None):
     else:
         kw.update(kv_cache_memory_bytes=REF_KV_BYTES)
     return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend},
-                           timeout=900)
+                           timeout=900, env=env)
 
 
 @pytest.fixture(scope="module", params=["deepseek_v32", "glm_dsa"])
 def runs(request, tiny_model, tmp_path_factory):
     model = tiny_model(request.param)
     trace = tmp_path_factory.mktemp("trace") / "selections.jsonl"
-    ula = _run(model, "ulacache", trace)
+    # The ~2.7k-slot device pools here are below PB-LRU's small-pool threshold (a timestamp
+    # scan); GLM runs the queue instead, so both victim paths meet the real engine.
+    env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"} if request.param == "glm_dsa" else None
+    ula = _run(model, "ulacache", trace, env)
     ula["trace_path"] = str(trace)
     return request.param, _run(model, "vllm"), ula
 
@@ -94,6 +97,8 @@ def test_token_exact_parity_under_pressure(runs):
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
     assert m["vllm:ulacache_lookups"] > m["vllm:ulacache_hits"] > 0, m
     assert m["vllm:ulacache_bytes_moved"] > 0, m
+    want = "queue" if name == "glm_dsa" else "scan"  # see the ``runs`` fixture
+    assert set(ula["usage_end"]["victim_paths"]) == {want}, ula["usage_end"]
     # It started in identity placement and left it when the device pool overflowed.
     assert m["vllm:ulacache_fast_path_exits"] >= 1, m
 

@@ -12,6 +12,8 @@ from collections import OrderedDict
 
 import torch
 
+from ulacache_vllm.kernels import reference as K
+
 from .policy import EvictionPolicy
 from .pools import CapacityError
 
@@ -23,14 +25,20 @@ class TimestampLRU(EvictionPolicy):
 
     def __init__(self, num_slots: int, device: torch.device):
         self.device = device
+        self.num_slots = num_slots
         self.last = torch.full((num_slots,), _UNTRACKED, dtype=torch.int64, device=device)
-        self.tick = 0
-        self.round_start = 1
+        self._untracked = torch.full((num_slots,), _UNTRACKED, dtype=torch.int64, device=device)
+        self.iota = torch.arange(num_slots, dtype=torch.int64, device=device)
+        self.tick = 0  # int64 stamps: no wrap-around in any realistic run
+        self.round_start = 0
 
     def touch(self, slots):
-        if slots.numel():
-            self.tick += 1
-            self.last.index_fill_(0, slots, self.tick)
+        n = slots.numel()
+        if n:
+            # One stamp per slot (exact order within the call, like the linked list); an add +
+            # scatter_ from a tensor beats index_fill_ of a scalar stamp from ~1k slots on CPU.
+            self.last.scatter_(0, slots, self.iota[:n] + self.tick)
+            self.tick += n
 
     def select_victims(self, k: int) -> torch.Tensor:
         if k <= 0:
@@ -40,15 +48,14 @@ class TimestampLRU(EvictionPolicy):
         vals, idx = torch.topk(self.last, k, largest=False, sorted=False)
         if bool((vals >= self.round_start).any()):
             raise CapacityError(f"need {k} device victims outside the current round")
-        self.last.index_fill_(0, idx, _UNTRACKED)
+        K.fill_at(self.last, idx, _UNTRACKED, self._untracked)
         return idx
 
     def release(self, slots):
-        if slots.numel():
-            self.last.index_fill_(0, slots, _UNTRACKED)
+        K.fill_at(self.last, slots, _UNTRACKED, self._untracked)
 
     def advance_round(self) -> None:
-        self.round_start = self.tick + 1
+        self.round_start = self.tick
 
 
 class ListLRU(EvictionPolicy):

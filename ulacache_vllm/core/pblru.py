@@ -7,16 +7,16 @@ Representation (a choice against the design doc's per-bucket bitmaps; see below)
   queue is cut into per-round *buckets* by position: the current round's bucket is
   ``[cur_start, tail)``, older rounds lie before it, oldest first. The ring of recent buckets
   and the cold bucket are just position ranges: folding a bucket into cold costs nothing.
-* ``qpos[slot]`` -- the queue position of the slot's latest entry (-1: untracked, i.e. free,
-  released or just evicted). An entry ``(position p, slot s)`` is *live* iff ``qpos[s] == p``;
+* ``qpos[slot]`` -- the queue position of the slot's latest entry (``UNTRACKED`` = int64 max:
+  free, released or just evicted). An entry ``(position p, slot s)`` is *live* iff ``qpos[s] == p``;
   older entries of a re-touched slot, released slots and consumed victims become stale by
   that rule alone, with no removal.
 
 Per-step cost is a constant handful of tensor ops, independent of the pool size:
 
 * touch (hit, promotion, new entry) = ``queue_push``: one slice write of the slots at the tail
-  plus one ``index_copy_`` of their positions into ``qpos`` (a Triton kernel on CUDA);
-* release / eviction = one ``index_fill_(qpos, slots, -1)``;
+  plus one ``scatter_`` of their positions into ``qpos`` (a Triton kernel on CUDA);
+* release / eviction = one ``scatter_`` of ``UNTRACKED`` into ``qpos``;
 * advance_round = move ``cur_start`` to the tail (no tensor op);
 * victim selection = ``queue_take`` over a window at the queue head, never past ``cur_start``
   (never the current round): gather ``qpos`` of the window's slots, compare with the window
@@ -30,9 +30,10 @@ Per-step cost is a constant handful of tensor ops, independent of the pool size:
   ``qpos`` of the k-th live slot). The window views are reused while ``(head, size)`` holds.
   Fixed cost per call (CPU, batch 1): select 5-7 ops (2 window slices unless cached,
   gather, compare, compact, first-k slice, untrack fill), touch 3 ops (positions slice, queue
-  write, ``qpos`` scatter), hit_touch 4 shared hit-detection ops + a touch.
+  write, ``qpos`` scatter), hit_touch 3 shared hit-detection ops + a touch.
   Free slots are taken from the pool's free bitmap before the policy is asked; a round whose
-  misses fit in the free slots never calls the selection at all (the fast path).
+  misses fit in the free slots never calls the selection at all (the fast path when little
+  replacement is needed).
 * the queue is compacted (live entries moved to the front, in order) when the tail reaches the
   capacity: O(queue) but at most once per ~7 S appended entries, i.e. amortised O(1) per touch.
 
@@ -43,17 +44,30 @@ a per-touch bit move to follow re-touches; the stale filter over a position-orde
 the oldest live members with the same data-parallel gather/compare/compact and skips dead
 segments by advancing the head, at fewer ops per step. ``ring_size`` / ``cold_buckets`` are
 accepted for interface compatibility; they do not change the victim order.
+
+Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): the queue's
+fixed handful of ops per selection costs more than one top-k over the whole pool, so such a
+pool runs the exact timestamp scan instead (same victims; ``victim_path`` says which). This
+is the batch-1 fast path the published PB-LRU lacks.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 from ulacache_vllm import kernels as K
 
+from .exact_lru import TimestampLRU
 from .policy import EvictionPolicy, split_hits
 from .pools import CapacityError
 
+UNTRACKED = torch.iinfo(torch.int64).max
+# Pools up to this many slots run the exact timestamp scan instead (the small-pool fast path:
+# a whole-pool top-k is then one op of a few microseconds, cheaper than a queue window's
+# handful; the crossover measured on CPU lies between 4k and 12k slots).
+SMALL_POOL_SLOTS = int(os.environ.get("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "4096"))
 _MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the scan window
 # Scan windows: at least _MIN_WINDOW entries (a wider window costs far less than another
 # round of ~7 ops), else the victims still needed / the estimated live fraction * _OVERSCAN.
@@ -65,7 +79,8 @@ class PBLRU(EvictionPolicy):
     name = "pblru"
 
     def __init__(self, num_slots: int, device: torch.device, ring_size: int = 8,
-                 cold_buckets: int = 8, queue_capacity: int | None = None):
+                 cold_buckets: int = 8, queue_capacity: int | None = None,
+                 small_pool_slots: int | None = None):
         if ring_size < 1:
             raise ValueError("ring_size must be >= 1")
         if cold_buckets < 0:
@@ -79,7 +94,8 @@ class PBLRU(EvictionPolicy):
         if Q < 2 * S:
             raise ValueError("queue_capacity must be >= 2 * num_slots")
         self.qslot = torch.zeros(Q, dtype=torch.int64, device=self.device)
-        self.qpos = torch.full((S,), -1, dtype=torch.int64, device=self.device)
+        self.qpos = torch.full((S,), UNTRACKED, dtype=torch.int64, device=self.device)
+        self._untracked = torch.full((S,), UNTRACKED, dtype=torch.int64, device=self.device)
         self.iota = torch.arange(Q, dtype=torch.int64, device=self.device)  # positions
         self.head = 0        # queue entries before head are consumed or stale
         self.cur_start = 0   # first position of the current round's bucket
@@ -89,6 +105,14 @@ class PBLRU(EvictionPolicy):
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._wkey, self._win = None, None  # (head, size) -> cached window views
         self._k = K.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
+        # The small-pool fast path: same victims (exact LRU), one top-k per selection.
+        small = SMALL_POOL_SLOTS if small_pool_slots is None else small_pool_slots
+        self._small = TimestampLRU(S, self.device) if S <= small else None
+
+    @property
+    def victim_path(self) -> str:
+        """How victims are found: ``"queue"`` windows, or the small-pool ``"scan"``."""
+        return "scan" if self._small is not None else "queue"
 
     # ------------------------------------------------------------------ queue upkeep
     def _push(self, slots: torch.Tensor, n: int) -> None:
@@ -115,22 +139,30 @@ class PBLRU(EvictionPolicy):
 
     # ------------------------------------------------------------------ policy API
     def hit_touch(self, loc_vals):
-        hit, slots, hs = split_hits(loc_vals)
+        if self._small is not None:
+            return self._small.hit_touch(loc_vals)
+        hit, hs = split_hits(loc_vals)
         n = hs.numel()
         if n:
             self._push(hs, n)
-        return hit, slots
+        return hit, hs
 
     def touch(self, slots):
+        if self._small is not None:
+            return self._small.touch(slots)
         n = slots.numel()
         if n:
             self._push(slots, n)
 
     def release(self, slots):
+        if self._small is not None:
+            return self._small.release(slots)
         if slots.numel():
-            self.qpos.index_fill_(0, slots, -1)
+            K.reference.fill_at(self.qpos, slots, UNTRACKED, self._untracked)
 
     def select_victims(self, k: int) -> torch.Tensor:
+        if self._small is not None:
+            return self._small.select_victims(k)
         if k <= 0:
             return self._empty
         qp = self.qpos
@@ -164,11 +196,13 @@ class PBLRU(EvictionPolicy):
         if parts is not None:
             parts.append(vic)
             vic = torch.cat(parts)
-        qp.index_fill_(0, vic, -1)  # untracked until touched again
+        K.reference.fill_at(qp, vic, UNTRACKED, self._untracked)  # untracked until touched again
         self.head = h
         return vic
 
     def advance_round(self) -> None:
+        if self._small is not None:
+            return self._small.advance_round()
         self.cur_start = self.tail
         self.round += 1
 
@@ -178,8 +212,14 @@ class PBLRU(EvictionPolicy):
 
         O(S), tests only; checks the queue invariants on the way.
         """
+        if self._small is not None:
+            last, rs = self._small.last, self._small.round_start
+            out = torch.full_like(last, -1)
+            tracked = last != UNTRACKED
+            out[tracked] = (last[tracked] >= rs).to(torch.int64)
+            return out
         qp = self.qpos
-        tracked = qp >= 0
+        tracked = qp != UNTRACKED
         pos = qp.masked_select(tracked)
         sl = tracked.nonzero().squeeze(1)
         if pos.numel():

@@ -11,21 +11,13 @@ import torch
 from ulacache_vllm.kernels.reference import SLOT_BITS
 
 
-_NEG1: dict = {}
-
-
 def split_hits(loc_vals: torch.Tensor):
-    """``(hit_mask, slots, hit_slots)`` of internal table values (shared by every policy).
+    """``(hit_mask, hit_slots)`` of internal table values (shared by every policy).
 
-    ``slots`` is -1 where not a device hit; ``hit_slots`` the hits' slots, compacted. The -1
-    fill value is a cached 0-dim tensor (a Python scalar would cost a scalar_tensor op per call).
+    A device entry's value is its slot (tier 0); -1 (unmapped) >> 32 is -1: no hit.
     """
-    neg1 = _NEG1.get(loc_vals.device)
-    if neg1 is None:
-        neg1 = _NEG1[loc_vals.device] = torch.full((), -1, dtype=torch.int64, device=loc_vals.device)
-    hit = (loc_vals >> SLOT_BITS) == 0  # -1 (unmapped) >> 32 is -1: no hit
-    slots = torch.where(hit, loc_vals, neg1)  # tier 0: the value is the slot
-    return hit, slots, loc_vals.masked_select(hit)
+    hit = (loc_vals >> SLOT_BITS) == 0
+    return hit, loc_vals.masked_select(hit)
 
 
 class EvictionPolicy:
@@ -34,12 +26,12 @@ class EvictionPolicy:
     def hit_touch(self, loc_vals: torch.Tensor):
         """Hit detection + touch over internal table values of unique entries.
 
-        Returns ``(hit_mask, slots)`` (slot -1 where not a device hit).
+        Returns ``(hit_mask, hit_slots)``: the hits' slots compacted, in input order.
         """
-        hit, slots, hs = split_hits(loc_vals)
+        hit, hs = split_hits(loc_vals)
         if hs.numel():
             self.touch(hs)
-        return hit, slots
+        return hit, hs
 
     def touch(self, slots: torch.Tensor) -> None:
         """Mark unique occupied ``slots`` as used in the current round."""

@@ -21,6 +21,8 @@ class UlaWorkerExtension:
             "lookups": sum(g.mapping.stats.lookups for g in store.groups),
             "hits": sum(g.mapping.stats.hits for g in store.groups),
         }
+        pols = [getattr(g.mapping.policy, "inner", g.mapping.policy) for g in store.groups]
+        out["victim_paths"] = [getattr(p, "victim_path", p.name) for p in pols]
         out["step"] = store.step
         out["identity_mode"] = store.identity
         out["time_s"] = dict(store.time_s)
