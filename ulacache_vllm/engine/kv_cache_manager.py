@@ -4,7 +4,9 @@ vLLM's `KVCacheManager` over ulacache's *logical* block pool: block ids are logi
 (`block * block_size + offset` names one token's KV entry), the pool holds device + host
 capacity, so admission, preemption and freeing count both tiers and no request has a device
 quota. Placement (device or host, which slot) is decided in the worker by the mapping table;
-this manager reports which logical blocks died so the worker releases their slots, and keeps
+this manager reports which logical blocks died so the worker releases their slots (a freed
+block that stays in vLLM's prefix cache is not dead: its rows stay until the block is
+evicted or reused), and keeps
 the whole public surface vLLM's scheduler, engine core and connectors use (it *is* a
 `KVCacheManager`).
 """
@@ -28,7 +30,12 @@ class UlaKVCacheManager(KVCacheManager):
         for bid in block_ids:
             blk = pool.blocks[bid]
             if blk.ref_cnt == 0 and not blk.is_null:
-                self._freed.append(bid)
+                if blk.block_hash is None:
+                    self._freed.append(bid)
+                # else: a prefix-cache entry; its rows stay where they are (PB-LRU ages them
+                # out to the host) until the block is evicted: a reuse rewrites the rows (the
+                # worker's assign releases the old entries first), a cache reset or eviction
+                # is reported below.
                 if bid >= self._device_blocks:
                     # vLLM reuses freed blocks first (LIFO); send blocks beyond the device
                     # range to the back so low blocks are handed out first again.
@@ -48,8 +55,29 @@ class UlaKVCacheManager(KVCacheManager):
 
     def pop_blocks_for_free(self, request):
         blocks = super().pop_blocks_for_free(request)
-        self._freed.extend(b.block_id for b in blocks if not b.is_null)
+        # Deferred free: the blocks return to the pool later. Dead then unless another
+        # request shares them (a prefix hit) or they are prefix-cache entries.
+        self._freed.extend(b.block_id for b in blocks
+                           if not b.is_null and b.ref_cnt <= 1 and b.block_hash is None)
         return blocks
+
+    def _cached_free_blocks(self) -> list[int]:
+        return [b.block_id for b in self.block_pool.blocks
+                if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None]
+
+    def reset_prefix_cache(self) -> bool:
+        cached = self._cached_free_blocks()
+        ok = super().reset_prefix_cache()
+        if ok:
+            self._freed.extend(cached)
+        return ok
+
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        pool = self.block_pool
+        dead = [b for b in block_ids
+                if pool.blocks[b].ref_cnt == 0 and pool.blocks[b].block_hash is not None]
+        super().evict_blocks(block_ids)
+        self._freed.extend(dead)
 
     def has_pending_frees(self) -> bool:
         return bool(self._freed)

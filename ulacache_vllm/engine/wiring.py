@@ -33,11 +33,6 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
         )
     engine_args.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_connector_module_path=MODULE_PATH)
-    if engine_args.enable_prefix_caching:
-        logger.warning("ulacache: prefix caching is not supported yet; disabling it")
-    # Logical blocks are released to the worker when freed; cached-but-free blocks would keep
-    # slots the scheduler already counts as free.
-    engine_args.enable_prefix_caching = False
     if not engine_args.worker_extension_cls:
         engine_args.worker_extension_cls = WORKER_EXTENSION
 

@@ -1,0 +1,81 @@
+"""Scheduler side of ulacache with vLLM's prefix cache on: which freed logical blocks the
+worker is told to release. vLLM's CPU build turns prefix caching off for MLA models, so this
+drives `UlaKVCacheManager` directly with vLLM's own request hashing and block pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.request import Request
+
+from ulacache_vllm.engine.kv_cache_manager import UlaKVCacheManager
+
+BS = 16
+
+
+@pytest.fixture
+def manager():
+    init_none_hash(sha256)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    return UlaKVCacheManager(cfg, max_model_len=512, scheduler_block_size=BS,
+                             hash_block_size=BS, enable_caching=True)
+
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(max_tokens=4), None,
+                   block_hasher=get_request_block_hasher(BS, sha256))
+
+
+def _run(mgr, req) -> list[int]:
+    """Schedule the whole prompt (reusing cached blocks), return the request's block ids."""
+    computed, n_computed, _ = mgr.get_computed_blocks(req)
+    blocks = mgr.allocate_slots(req, req.num_tokens - n_computed, n_computed, computed)
+    assert blocks is not None
+    req.num_computed_tokens = req.num_tokens
+    return [b for b in mgr.get_block_ids(req.request_id)[0]]
+
+
+def test_cached_blocks_are_not_released_until_evicted_or_reset(manager):
+    shared = list(range(1, 4 * BS + 1))  # 4 full blocks
+    a = _request("a", shared + [900, 901, 902])  # + a partial 5th block
+    ids_a = _run(manager, a)
+    assert len(ids_a) == 5
+    manager.free(a)
+    dead = manager.take_freed_blocks()
+    # Only the partial block died; the 4 full ones stay in the prefix cache with their rows.
+    assert dead == [ids_a[4]]
+
+    b = _request("b", shared + [700])
+    ids_b = _run(manager, b)
+    assert ids_b[:4] == ids_a[:4]  # prefix hit: the cached blocks (and their rows) reused
+    manager.free(b)
+    assert manager.take_freed_blocks() == [ids_b[4]]
+
+    assert manager.reset_prefix_cache()
+    assert sorted(manager.take_freed_blocks()) == sorted(ids_a[:4])
+
+
+def test_evicted_cache_blocks_are_released(manager):
+    a = _request("a", list(range(1, 2 * BS + 1)))
+    ids_a = _run(manager, a)
+    manager.free(a)
+    assert manager.take_freed_blocks() == []
+    manager.evict_blocks({ids_a[0]})
+    assert manager.take_freed_blocks() == [ids_a[0]]
+
+
+def test_deferred_free_skips_shared_and_cached_blocks(manager):
+    shared = list(range(1, 2 * BS + 1))
+    a, b = _request("a", shared + [5]), _request("b", shared + [6])
+    ids_a, ids_b = _run(manager, a), _run(manager, b)
+    assert ids_a[:2] == ids_b[:2]  # b shares a's two full blocks
+    popped = manager.pop_blocks_for_free(a)
+    # a's full blocks are shared with b (and cached); only its own partial block dies.
+    assert manager.take_freed_blocks() == [ids_a[2]]
+    manager.block_pool.free_blocks(reversed(popped))
