@@ -1,22 +1,31 @@
-"""Post-import hook: applies the `LLM.__init__` patch the moment `vllm.entrypoints.llm` loads.
+"""Post-import hook: applies the front-end patches the moment their vLLM modules load.
 
-`LLM(model, kv_backend=...)` runs before vLLM loads its general plugins (that happens inside
-`EngineArgs.__post_init__`), so the keyword must be accepted earlier. A one-line `.pth` file
-written by the install step imports this module at interpreter start; it only registers a
-meta-path finder (no vLLM or torch import) and patches after vLLM's own module body ran.
+vLLM loads its general plugins inside `EngineArgs.__post_init__`, which is too late for two
+front-end paths: `LLM(model, kv_backend=...)` (the keyword must be accepted before), and the
+API-server processes of `vllm serve --api-server-count N` / `--data-parallel-size N`, which
+rebuild their engine arguments with `EngineArgs.from_cli_args(args)` before any plugin ran
+(without the patch they would drop `--kv-backend` and build a stock config, e.g. without the
+ulacache metrics). A one-line `.pth` file written by the install step imports this module at
+interpreter start; it only registers a meta-path finder (no vLLM or torch import) and patches
+after vLLM's own module body ran.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import sys
 
-TARGET = "vllm.entrypoints.llm"
+TARGETS = {
+    "vllm.entrypoints.llm": ("llm_kwargs",),
+    "vllm.engine.arg_utils": ("cli_args", "engine_config"),
+}
 
 
 class _PostImportFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
-        if fullname != TARGET:
+        hooks = TARGETS.get(fullname)
+        if hooks is None:
             return None
         sys.meta_path.remove(self)
         try:
@@ -30,12 +39,12 @@ class _PostImportFinder(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             orig_exec(module)
-            try:
-                from ulacache_vllm.patches import llm_kwargs
-
-                llm_kwargs.apply()
-            except Exception as e:  # never break `import vllm`; plugin load retries loudly
-                print(f"[ulacache] could not patch LLM kwargs at import: {e}", file=sys.stderr)
+            for hook in hooks:
+                try:
+                    importlib.import_module(f"ulacache_vllm.patches.{hook}").apply()
+                except Exception as e:  # never break `import vllm`; plugin load retries loudly
+                    print(f"[ulacache] could not apply patch {hook} at import: {e}",
+                          file=sys.stderr)
 
         loader.exec_module = exec_module
         return spec

@@ -1,0 +1,89 @@
+"""DP mode: `vllm serve ... --kv-backend ulacache --data-parallel-size 2`. Each DP rank runs
+its own engine core with its own pools; `/metrics` carries ulacache series per engine.
+
+The model is the tiny DeepSeek-V3.2 with dense MLPs only: vLLM's CPU build cannot run MoE
+layers under DP (stock vLLM fails the same way), and the MLP is irrelevant to the KV path.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from test_serve import _complete, _free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _per_engine(text: str, name: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in re.finditer(rf"^{re.escape(name)}{{([^}}]*)}} ([0-9.eE+-]+)$", text, re.M):
+        eng = re.search(r'engine="([^"]+)"', m.group(1))
+        if eng:
+            out[eng.group(1)] = out.get(eng.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_model, tmp_path_factory):
+    model = tiny_model("deepseek_v32", first_k_dense_replace=2)  # both layers dense MLP
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve_dp") / "serve.log"
+    env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
+               KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            ["bash", str(REPO / "scripts" / "serve.sh"), str(model), "ulacache", "127.0.0.1",
+             str(port), "--dtype", "float32", "--max-num-seqs", "8",
+             "--ula-host-pool-gib", "0.006", "--data-parallel-size", "2"],
+            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 400
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited early:\n{log.read_text()[-4000:]}")
+        try:
+            if requests.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        time.sleep(2)
+    else:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"server did not become healthy:\n{log.read_text()[-4000:]}")
+    yield base, str(model), log
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_dp_ranks_serve_and_report_their_own_pools(dp_server):
+    base, model, log = dp_server
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    prompts = [" ".join(words[(i + j * 3) % len(words)] for j in range(40 + 8 * i))
+               for i in range(16)]
+    with cf.ThreadPoolExecutor(16) as ex:
+        outs = list(ex.map(lambda p: _complete(base, model, p, 32), prompts))
+    assert all(o["usage"]["completion_tokens"] == 32 for o in outs)
+    # Greedy is deterministic whichever rank serves the request.
+    again = _complete(base, model, prompts[5], 32)
+    assert again["choices"][0]["text"] == outs[5]["choices"][0]["text"]
+    time.sleep(3)
+    text = requests.get(base + "/metrics", timeout=10).text
+    cap = _per_engine(text, "vllm:ulacache_device_capacity")
+    assert set(cap) == {"0", "1"} and all(v > 0 for v in cap.values()), text[-3000:]
+    look = _per_engine(text, "vllm:ulacache_lookups_total")
+    # Requests were spread over both ranks, and each rank's store counted its own lookups.
+    assert set(look) == {"0", "1"} and all(v > 0 for v in look.values()), look
+    assert log.read_text().count("ulacache KV:") >= 2  # one startup summary per rank
