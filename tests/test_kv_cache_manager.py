@@ -70,12 +70,20 @@ def test_evicted_cache_blocks_are_released(manager):
     assert manager.take_freed_blocks() == [ids_a[0]]
 
 
-def test_deferred_free_skips_shared_and_cached_blocks(manager):
+def test_deferred_free_skips_shared_blocks(manager):
     shared = list(range(1, 2 * BS + 1))
     a, b = _request("a", shared + [5]), _request("b", shared + [6])
     ids_a, ids_b = _run(manager, a), _run(manager, b)
     assert ids_a[:2] == ids_b[:2]  # b shares a's two full blocks
-    popped = manager.pop_blocks_for_free(a)
-    # a's full blocks are shared with b (and cached); only its own partial block dies.
+    # Drop the shared blocks from the prefix cache while both requests hold them: after that
+    # only the reference count keeps them alive.
+    manager.evict_blocks(set(ids_a[:2]))
+    assert manager.take_freed_blocks() == []  # still referenced: not dead
+    popped = manager.pop_blocks_for_free(a)  # deferred free (async scheduling)
+    # a's partial block dies; the shared blocks live on in b.
     assert manager.take_freed_blocks() == [ids_a[2]]
     manager.block_pool.free_blocks(reversed(popped))
+    assert manager.take_freed_blocks() == []
+    manager.free(b)
+    # Now nothing holds them and they are no longer cached: dead, with b's partial block.
+    assert sorted(manager.take_freed_blocks()) == sorted(ids_b)

@@ -77,7 +77,7 @@ def runs(request, tiny_model, tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace") / "selections.jsonl"
     # The ~2.7k-slot device pools here are below PB-LRU's small-pool threshold (a timestamp
     # scan); GLM runs the queue instead, so both victim paths meet the real engine.
-    env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"} if request.param == "glm_dsa" else None
+    env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0" if request.param == "glm_dsa" else "4096"}
     ula = _run(model, "ulacache", trace, env)
     ula["trace_path"] = str(trace)
     return request.param, _run(model, "vllm"), ula

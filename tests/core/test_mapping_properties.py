@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent, RowStore,
                                 TieredMapping, unpack)
+from ulacache_vllm.core import pblru as pblru_mod
 
 POLICIES = ["pblru", "exact_ts", "exact_list"]
 
@@ -56,11 +57,19 @@ def _bits(words, n):
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, min_size=1, max_size=40), lru=st.sampled_from(POLICIES),
-       dev_slots=st.integers(4, 40), host_extra=st.integers(0, 20), ring=st.integers(1, 4))
-def test_random_sequences(ops, lru, dev_slots, host_extra, ring):
+       dev_slots=st.integers(4, 40), host_extra=st.integers(0, 20), ring=st.integers(1, 4),
+       small=st.booleans())
+def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
     num_logical = 6 * 64
     host_slots = 6 * 30 - dev_slots + host_extra  # small extra: the host often fills up
-    m = TieredMapping(num_logical, dev_slots, host_slots, lru=lru, ring_size=ring)
+    # small: PB-LRU on its small-pool scan path (tests/core runs the queue by default).
+    pblru_mod.SMALL_POOL_SLOTS, old = (4096 if small else 0), pblru_mod.SMALL_POOL_SLOTS
+    try:
+        m = TieredMapping(num_logical, dev_slots, host_slots, lru=lru, ring_size=ring)
+    finally:
+        pblru_mod.SMALL_POOL_SLOTS = old
+    if lru == "pblru":
+        assert m.policy.victim_path == ("scan" if small else "queue")
     store = RowStore(dev_slots, host_slots)
     lens = {r: 0 for r in range(6)}
     live: dict[int, int] = {}
@@ -251,7 +260,8 @@ pol_op = st.one_of(
 @given(ops=st.lists(pol_op, min_size=1, max_size=80), S=st.integers(2, 24),
        cap_extra=st.integers(0, 6), small=st.sampled_from([0, 4096]))
 def test_pblru_is_exact_lru(ops, S, cap_extra, small):
-    """PB-LRU picks exactly ListLRU's victims (same set, same CapacityErrors), including
+    """PB-LRU picks exactly ListLRU's victims (same CapacityErrors; on the queue path in the
+    same order, on the small-pool scan path as a set), including
     across queue compactions (tiny queue capacity), releases and re-touches; the timestamp
     LRU the same set."""
     from ulacache_vllm.core import PBLRU, ListLRU, TimestampLRU
@@ -287,8 +297,9 @@ def test_pblru_is_exact_lru(ops, S, cap_extra, small):
                 vals = torch.cat([t, torch.tensor([-1, (1 << 32) | 3])])
                 h1, s1 = pb.hit_touch(vals)
                 h2, s2 = ex.hit_touch(vals)
-                ts.hit_touch(vals)
+                h3, s3 = ts.hit_touch(vals)
                 assert torch.equal(h1, h2) and torch.equal(s1, s2)
+                assert torch.equal(h1, h3) and torch.equal(s1, s3)
             cur |= set(sl)
         elif o[0] == "release":
             sl = pick(tracked, o[1], o[2])
@@ -307,9 +318,12 @@ def test_pblru_is_exact_lru(ops, S, cap_extra, small):
                     r.append(p.select_victims(k).tolist())
                 except CapacityError:
                     r.append("cap")
-            # Same victims; their order is the queue's in window scans, unordered in the
-            # small-pool top-k scan (order does not change which entries stay resident).
-            assert (sorted(r[0]) if r[0] != "cap" else r[0]) == (sorted(r[1]) if r[1] != "cap" else r[1]), r
+            # Same victims; the queue also returns them in ListLRU's order, the small-pool
+            # top-k scan in none (order does not change which entries stay resident).
+            if pb.victim_path == "queue":
+                assert r[0] == r[1], r
+            else:
+                assert (sorted(r[0]) if r[0] != "cap" else r[0]) == (sorted(r[1]) if r[1] != "cap" else r[1]), r
             # The timestamp scan returns the same victims, in no particular order.
             assert (sorted(r[2]) if r[2] != "cap" else r[2]) == (sorted(r[1]) if r[1] != "cap" else r[1])
             if r[0] != "cap":
@@ -358,7 +372,7 @@ def test_pblru_is_exact_lru_large_windows(seed):
             if k == 0:
                 continue
             a, b = pb.select_victims(k), ex.select_victims(k)
-            assert torch.equal(a.sort().values, b.sort().values)
+            assert torch.equal(a, b)
             tracked.index_fill_(0, a, False)
             n_old -= k
         bk = pb.bucket_of()

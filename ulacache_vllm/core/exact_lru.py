@@ -47,7 +47,10 @@ class TimestampLRU(EvictionPolicy):
             raise CapacityError(f"need {k} victims from a pool of {self.last.numel()}")
         vals, idx = torch.topk(self.last, k, largest=False, sorted=False)
         if bool((vals >= self.round_start).any()):
-            raise CapacityError(f"need {k} device victims outside the current round")
+            got = int((vals < self.round_start).sum())
+            raise CapacityError(
+                f"need {k} device victims but only {got} slots are outside the current round "
+                "(the round's working set exceeds the device pool)")
         K.fill_at(self.last, idx, _UNTRACKED, self._untracked)
         return idx
 

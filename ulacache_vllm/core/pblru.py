@@ -12,11 +12,13 @@ Representation (a choice against the design doc's per-bucket bitmaps; see below)
   older entries of a re-touched slot, released slots and consumed victims become stale by
   that rule alone, with no removal.
 
-Per-step cost is a constant handful of tensor ops, independent of the pool size:
+Per-step cost is a constant handful of tensor ops, independent of the pool size (small pools
+take a timestamp scan instead, see the end):
 
 * touch (hit, promotion, new entry) = ``queue_push``: one slice write of the slots at the tail
   plus one ``scatter_`` of their positions into ``qpos`` (a Triton kernel on CUDA);
-* release / eviction = one ``scatter_`` of ``UNTRACKED`` into ``qpos``;
+* release / eviction = one ``scatter_`` (``index_fill_`` under 1024 slots) of ``UNTRACKED``
+  into ``qpos``;
 * advance_round = move ``cur_start`` to the tail (no tensor op);
 * victim selection = ``queue_take`` over a window at the queue head, never past ``cur_start``
   (never the current round): gather ``qpos`` of the window's slots, compare with the window
@@ -66,7 +68,7 @@ from .pools import CapacityError
 UNTRACKED = torch.iinfo(torch.int64).max
 # Pools up to this many slots run the exact timestamp scan instead (the small-pool fast path:
 # a whole-pool top-k is then one op of a few microseconds, cheaper than a queue window's
-# handful; the crossover measured on CPU lies between 4k and 12k slots).
+# handful; on CPU the queue already wins from ~6k slots in the benchmark's traces).
 SMALL_POOL_SLOTS = int(os.environ.get("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "4096"))
 _MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the scan window
 # Scan windows: at least _MIN_WINDOW entries (a wider window costs far less than another
@@ -93,6 +95,11 @@ class PBLRU(EvictionPolicy):
         self.cap = Q = 8 * S + 4096 if queue_capacity is None else queue_capacity
         if Q < 2 * S:
             raise ValueError("queue_capacity must be >= 2 * num_slots")
+        # The small-pool fast path: same victims (exact LRU), one top-k per selection.
+        small = SMALL_POOL_SLOTS if small_pool_slots is None else small_pool_slots
+        self._small = TimestampLRU(S, self.device) if S <= small else None
+        if self._small is not None:
+            S = Q = 0  # the queue is never used
         self.qslot = torch.zeros(Q, dtype=torch.int64, device=self.device)
         self.qpos = torch.full((S,), UNTRACKED, dtype=torch.int64, device=self.device)
         self._untracked = torch.full((S,), UNTRACKED, dtype=torch.int64, device=self.device)
@@ -105,9 +112,6 @@ class PBLRU(EvictionPolicy):
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._wkey, self._win = None, None  # (head, size) -> cached window views
         self._k = K.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
-        # The small-pool fast path: same victims (exact LRU), one top-k per selection.
-        small = SMALL_POOL_SLOTS if small_pool_slots is None else small_pool_slots
-        self._small = TimestampLRU(S, self.device) if S <= small else None
 
     @property
     def victim_path(self) -> str:

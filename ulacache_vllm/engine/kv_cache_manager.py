@@ -36,9 +36,10 @@ class UlaKVCacheManager(KVCacheManager):
                 # out to the host) until the block is evicted: a reuse rewrites the rows (the
                 # worker's assign releases the old entries first), a cache reset or eviction
                 # is reported below.
-                if bid >= self._device_blocks:
+                if bid >= self._device_blocks and not self.enable_caching:
                     # vLLM reuses freed blocks first (LIFO); send blocks beyond the device
-                    # range to the back so low blocks are handed out first again.
+                    # range to the back so low blocks are handed out first again. (With a
+                    # prefix cache the queue's order is its eviction order: left alone.)
                     queue.remove(blk)
                     queue.append(blk)
 

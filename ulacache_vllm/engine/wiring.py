@@ -33,6 +33,13 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
         )
     engine_args.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_connector_module_path=MODULE_PATH)
+    if engine_args.enable_prefix_caching:
+        logger.warning("ulacache: prefix caching is not supported yet; disabling it")
+    # The scheduler side keeps cached blocks' rows (kv_cache_manager.py), but prefill over a
+    # cached prefix (query shorter than its context) through the CPU sparse-MLA backend and
+    # indexer is untested; vLLM's CPU build forces prefix caching off for MLA anyway, except
+    # on AMX CPUs.
+    engine_args.enable_prefix_caching = False
     if not engine_args.worker_extension_cls:
         engine_args.worker_extension_cls = WORKER_EXTENSION
 
