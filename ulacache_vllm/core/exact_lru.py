@@ -27,7 +27,6 @@ class TimestampLRU(EvictionPolicy):
         self.device = device
         self.num_slots = num_slots
         self.last = torch.full((num_slots,), _UNTRACKED, dtype=torch.int64, device=device)
-        self._untracked = torch.full((num_slots,), _UNTRACKED, dtype=torch.int64, device=device)
         self.iota = torch.arange(num_slots, dtype=torch.int64, device=device)
         self.tick = 0  # int64 stamps: no wrap-around in any realistic run
         self.round_start = 0
@@ -51,11 +50,11 @@ class TimestampLRU(EvictionPolicy):
             raise CapacityError(
                 f"need {k} device victims but only {got} slots are outside the current round "
                 "(the round's working set exceeds the device pool)")
-        K.fill_at(self.last, idx, _UNTRACKED, self._untracked)
+        K.fill_at(self.last, idx, _UNTRACKED)
         return idx
 
     def release(self, slots):
-        K.fill_at(self.last, slots, _UNTRACKED, self._untracked)
+        K.fill_at(self.last, slots, _UNTRACKED)
 
     def advance_round(self) -> None:
         self.round_start = self.tick

@@ -35,7 +35,6 @@ from .pools import CapacityError, SlotPool
 
 DEVICE, HOST, PENDING, REMOTE = 0, 1, 2, 3
 STAGING = 4  # copy_fn tier: engine-provided scratch rows, indices 0..plan.num_staged-1
-_I64MAX = torch.iinfo(torch.int64).max
 
 CopyFn = Callable[[int, torch.Tensor, int, torch.Tensor], object]
 
@@ -87,6 +86,7 @@ class MovePlan:
     _entries: Optional[torch.Tensor] = None
     _new_vals: Optional[torch.Tensor] = None
     _mapping: Optional["TieredMapping"] = None
+    _epoch: int = 0  # the mapping's mutation count right after this plan was made
     state: str = "planned"  # planned -> copied -> committed
 
     @property
@@ -150,7 +150,8 @@ class TieredMapping:
         self.loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         self._last_plan = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self._claim = torch.full((n,), _I64MAX, dtype=torch.int64, device=self.device)
+        self._claim = torch.zeros(n, dtype=torch.int64, device=self.device)  # dedup scratch
+        self._iota = torch.arange(1024, device=self.device)
         self.dev = SlotPool(device_slots, self.device)
         self.host = SlotPool(host_slots, self.device)
         self.stats = MappingStats()
@@ -158,6 +159,7 @@ class TieredMapping:
         self.policy = _TimedPolicy(policy, self.stats) if profile else policy
         self._pending: deque[MovePlan] = deque()
         self._next_plan = 1
+        self._epoch = 0  # bumped by every free, adoption and new plan (see _commit)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ helpers
@@ -180,10 +182,15 @@ class TieredMapping:
         sel = idx.masked_select(is_local)
         if sel.numel() <= 1:
             return is_local, idx, sel
-        pos = torch.arange(sel.numel(), device=self.device)
-        self._claim.scatter_reduce_(0, sel, pos, "amin")
+        n = sel.numel()
+        if self._iota.numel() < n:
+            self._iota = torch.arange(max(n, 2 * self._iota.numel()), device=self.device)
+        pos = self._iota[:n]
+        # Every occurrence writes its position; exactly one write per address survives (the
+        # last on CPU, an arbitrary one on CUDA): that occurrence is the one kept. No reset
+        # is needed, every address read here was written by this call.
+        self._claim.scatter_(0, sel, pos)
         keep = self._claim.index_select(0, sel) == pos
-        self._claim.index_fill_(0, sel, _I64MAX)
         return is_local, idx, sel.masked_select(keep)
 
     def _slots_out(self, is_local, idx) -> torch.Tensor:
@@ -199,17 +206,20 @@ class TieredMapping:
         self.policy.release(dev_slots)
         self.dev.release(dev_slots)
         self.host.release(host_slots)
-        self.loc.index_fill_(0, u, -1)
-        self.visible.index_fill_(0, u, -1)
-        self._last_plan.index_fill_(0, u, 0)
+        self._epoch += 1
+        K.reference.fill_at(self.loc, u, -1)
+        K.reference.fill_at(self.visible, u, -1)
+        K.reference.fill_at(self._last_plan, u, 0)
         return dev_slots.numel() + host_slots.numel()
 
     def _new_plan(self, dsrc, ddst, psrc, pdst, staged, entries, new_vals):
         plan = MovePlan(dsrc, ddst, psrc, pdst, staged, plan_id=self._next_plan,
                         _entries=entries, _new_vals=new_vals, _mapping=self)
         self._next_plan += 1
-        self.visible.index_fill_(0, entries, PENDING << SLOT_BITS)
+        K.reference.fill_at(self.visible, entries, PENDING << SLOT_BITS)
         self._last_plan.index_fill_(0, entries, plan.plan_id)
+        self._epoch += 1
+        plan._epoch = self._epoch
         self._pending.append(plan)
         self.stats.plans += 1
         return plan
@@ -242,7 +252,7 @@ class TieredMapping:
             hdst = torch.cat([h1, h2])
         else:
             hdst = h1
-        self.loc.index_put_((ventries,), (HOST << SLOT_BITS) | hdst)
+        self.loc.scatter_(0, ventries, (HOST << SLOT_BITS) | hdst)
         self.stats.demotions += k
         self.stats.staged += c
         return victims, ventries, hdst, c
@@ -266,13 +276,13 @@ class TieredMapping:
         if k:  # victims first: a CapacityError must leave the pools untouched
             victims, ventries, hdst, _ = self._victims_to_host(k, late)
         free_slots = self.dev.alloc(u[:f])
-        self.loc.index_put_((u[:f],), free_slots)
-        self.visible.index_put_((u[:f],), free_slots)
+        self.loc.scatter_(0, u[:f], free_slots)
+        self.visible.scatter_(0, u[:f], free_slots)
         self.stats.assigned += n
         if k == 0:
             self.policy.touch(free_slots)
             return self._slots_out(is_local, idx), self._empty_plan()
-        self.loc.index_put_((late,), victims)
+        self.loc.scatter_(0, late, victims)
         self.policy.touch(torch.cat([free_slots, victims]))
         e = self._empty
         # New entries on victim slots stay PENDING until the demotion has copied the old rows.
@@ -291,9 +301,10 @@ class TieredMapping:
             raise ValueError("adopt: every address must be local and valid")
         if bool((self.loc.index_select(0, idx) >= 0).any()):
             raise ValueError("adopt: some addresses are already mapped")
+        self._epoch += 1
         self.dev.claim(slots, idx)
-        self.loc.index_put_((idx,), slots)
-        self.visible.index_put_((idx,), slots)
+        self.loc.scatter_(0, idx, slots)
+        self.visible.scatter_(0, idx, slots)
         self.policy.touch(slots)
         self.stats.assigned += idx.numel()
 
@@ -330,7 +341,7 @@ class TieredMapping:
         free_slots = self.dev.alloc(miss[:f])
         pdst = torch.cat([free_slots, victims]) if k else free_slots
         self.host.release(psrc[c:])  # the first c were re-owned by demotions
-        self.loc.index_put_((miss,), pdst)
+        self.loc.scatter_(0, miss, pdst)
         self.policy.touch(pdst)
         self.stats.promotions += m
         plan = self._new_plan(victims, hdst, psrc, pdst, c, torch.cat([miss, ventries]),
@@ -400,9 +411,13 @@ class TieredMapping:
 
     def _commit(self, plan: MovePlan) -> None:
         e, v = plan._entries, plan._new_vals
-        # Skip entries freed or moved again by a later plan since this one was made.
-        ok = (self._last_plan.index_select(0, e) == plan.plan_id) & (self.loc.index_select(0, e) == v)
-        self.visible.index_put_((e.masked_select(ok),), v.masked_select(ok))
+        if plan._epoch == self._epoch:  # nothing freed, adopted or planned since: all valid
+            self.visible.scatter_(0, e, v)
+        else:
+            # Skip entries freed or moved again by a later plan since this one was made.
+            ok = (self._last_plan.index_select(0, e) == plan.plan_id) & (
+                self.loc.index_select(0, e) == v)
+            self.visible.scatter_(0, e.masked_select(ok), v.masked_select(ok))
         plan.state = "committed"
         plan.fence.signal()
 

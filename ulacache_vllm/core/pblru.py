@@ -102,7 +102,6 @@ class PBLRU(EvictionPolicy):
             S = Q = 0  # the queue is never used
         self.qslot = torch.zeros(Q, dtype=torch.int64, device=self.device)
         self.qpos = torch.full((S,), UNTRACKED, dtype=torch.int64, device=self.device)
-        self._untracked = torch.full((S,), UNTRACKED, dtype=torch.int64, device=self.device)
         self.iota = torch.arange(Q, dtype=torch.int64, device=self.device)  # positions
         self.head = 0        # queue entries before head are consumed or stale
         self.cur_start = 0   # first position of the current round's bucket
@@ -162,7 +161,7 @@ class PBLRU(EvictionPolicy):
         if self._small is not None:
             return self._small.release(slots)
         if slots.numel():
-            K.reference.fill_at(self.qpos, slots, UNTRACKED, self._untracked)
+            K.reference.fill_at(self.qpos, slots, UNTRACKED)
 
     def select_victims(self, k: int) -> torch.Tensor:
         if self._small is not None:
@@ -200,7 +199,7 @@ class PBLRU(EvictionPolicy):
         if parts is not None:
             parts.append(vic)
             vic = torch.cat(parts)
-        K.reference.fill_at(qp, vic, UNTRACKED, self._untracked)  # untracked until touched again
+        K.reference.fill_at(qp, vic, UNTRACKED)  # untracked until touched again
         self.head = h
         return vic
 

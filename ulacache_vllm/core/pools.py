@@ -1,12 +1,18 @@
-"""Slot pool of one tier (device or host): a free bitmap plus the reverse map slot -> entry.
+"""Slot pool of one tier (device or host): a stack of free slots plus the reverse map slot -> entry.
 
-Allocation takes the lowest free slots (first-k over the free bitmap); the reverse map lets
-a victim slot be turned back into the logical entry whose mapping must change.
+Allocation pops the top of the free stack and release pushes onto it: one slice each, so the
+cost does not grow with the pool (a first-k search over a packed free bitmap with summary
+levels cost ~50 tensor ops per allocation, the largest part of a mapping step). ``owner`` is
+the authoritative free map (-1 = free); ``free_bits`` derives the packed bitmap view from it
+for introspection. The reverse map turns a victim slot back into the logical entry whose
+mapping must change.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ulacache_vllm.kernels.reference import const
 
 from .bitmaps import HierBitmap
 
@@ -14,16 +20,25 @@ from .bitmaps import HierBitmap
 class SlotPool:
     def __init__(self, num_slots: int, device: torch.device):
         self.num_slots = num_slots
-        self.free_bits = HierBitmap(1, num_slots, device)
-        if num_slots:
-            self.free_bits.add(0, torch.arange(num_slots, device=device))
+        self.device = device
+        # Free slots live in stack[:num_free]; the top is popped first. Reversed so that a
+        # fresh pool hands out slots 0, 1, 2, ... in order.
+        self.stack = torch.arange(num_slots - 1, -1, -1, dtype=torch.int64, device=device)
         self.owner = torch.full((num_slots,), -1, dtype=torch.int64, device=device)
         self.num_free = num_slots
-        self._row = torch.zeros(1, dtype=torch.int64, device=device)
 
     @property
     def num_used(self) -> int:
         return self.num_slots - self.num_free
+
+    @property
+    def free_bits(self) -> HierBitmap:
+        """The free set as a packed bitmap with summary levels (O(S); introspection only)."""
+        bm = HierBitmap(1, self.num_slots, self.device)
+        free = (self.owner < 0).nonzero().squeeze(1)
+        if free.numel():
+            bm.add(0, free)
+        return bm
 
     def alloc(self, entries: torch.Tensor) -> torch.Tensor:
         """Take one free slot per (unique) entry id; raises if not enough are free."""
@@ -32,32 +47,40 @@ class SlotPool:
             raise CapacityError(f"pool of {self.num_slots} slots has {self.num_free} free, need {n}")
         if n == 0:
             return entries.new_empty(0)
-        slots = self.free_bits.first_k(self._row, n)
-        self.free_bits.remove(slots)
-        self.owner.index_put_((slots,), entries)
-        self.num_free -= n
+        top = self.num_free
+        slots = self.stack[top - n:top].flip(0)  # a copy: the stack region is reused later
+        self.owner.scatter_(0, slots, entries)
+        self.num_free = top - n
         return slots
 
     def claim(self, slots: torch.Tensor, entries: torch.Tensor) -> None:
-        """Take the given free ``slots`` (unique) for ``entries``; raises if any is in use."""
-        if slots.numel() == 0:
+        """Take the given free ``slots`` (unique) for ``entries``; raises if any is in use.
+
+        O(free slots): the stack is compacted around them (rare: identity-placement exit).
+        """
+        n = slots.numel()
+        if n == 0:
             return
         if bool((self.owner.index_select(0, slots) >= 0).any()):
             raise CapacityError("claim: some slots are already in use")
-        self.free_bits.remove(slots)
-        self.owner.index_put_((slots,), entries)
-        self.num_free -= slots.numel()
+        self.owner.scatter_(0, slots, entries)
+        free = self.stack[:self.num_free]
+        keep = free.masked_select(self.owner.index_select(0, free) < 0)
+        self.num_free = keep.numel()
+        self.stack[:self.num_free] = keep
 
     def take(self, slots: torch.Tensor, entries: torch.Tensor) -> None:
         """Re-own already-used ``slots`` (victims handed to new entries)."""
-        self.owner.index_put_((slots,), entries)
+        self.owner.scatter_(0, slots, entries)
 
     def release(self, slots: torch.Tensor) -> None:
-        """Return unique used ``slots`` to the free bitmap."""
-        if slots.numel():
-            self.owner.index_fill_(0, slots, -1)
-            self.free_bits.add(0, slots)
-            self.num_free += slots.numel()
+        """Return unique used ``slots`` to the free stack."""
+        n = slots.numel()
+        if n:
+            self.owner.scatter_(0, slots, const(-1, n, self.device))
+            top = self.num_free
+            self.stack[top:top + n] = slots
+            self.num_free = top + n
 
 
 class CapacityError(RuntimeError):
