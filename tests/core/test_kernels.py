@@ -125,3 +125,30 @@ def test_mapping_same_with_triton_path(monkeypatch):
     assert outs[0][0] == outs[1][0] and outs[0][1] == outs[1][1]
     assert torch.equal(outs[0][2], outs[1][2])
     assert outs[0][1] > 0, "trace too small to exercise victim selection"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_hier_bitmap_first_k_and_derived_pool_view(seed):
+    """Summary-level first-k over rows in a given order == brute force; a pool's derived
+    free bitmap matches its owner map."""
+    from ulacache_vllm.core.bitmaps import HierBitmap
+    from ulacache_vllm.core.pools import SlotPool
+
+    g = torch.Generator().manual_seed(seed)
+    S, rows = 70_000, 3  # three levels of summaries
+    bm = HierBitmap(rows, S, "cpu")
+    members = []
+    for r in range(rows):
+        sl = torch.randperm(S, generator=g)[: int(torch.randint(0, 300, (1,), generator=g))]
+        sl = sl[(sl % rows) == r]  # rows disjoint
+        bm.add(r, sl)
+        members.append(sl.sort().values)
+    order = torch.tensor([2, 0, 1])
+    expect = torch.cat([members[r] for r in order.tolist()])
+    for k in (1, 17, expect.numel(), expect.numel() + 5):
+        assert torch.equal(bm.first_k(order, k), expect[:k])
+    pool = SlotPool(5000, "cpu")
+    used = pool.alloc(torch.arange(1234))
+    pool.release(used[::3].clone())
+    free = (pool.owner < 0)
+    assert pool.free_bits.count() == pool.num_free == int(free.sum())

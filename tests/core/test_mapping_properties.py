@@ -23,10 +23,13 @@ op = st.one_of(
 def check_invariants(m: TieredMapping, store: RowStore, live: dict):
     addrs = torch.tensor(sorted(live), dtype=torch.int64)
     S_dev, S_host = m.dev.num_slots, m.host.num_slots
-    # Pools: owner tables and free bitmaps agree with the counts.
+    # Pools: owner tables, free stacks and the derived free bitmaps agree with the counts.
     for pool in (m.dev, m.host):
         owned = (pool.owner >= 0).sum().item()
         assert owned == pool.num_used
+        stack = pool.stack[:pool.num_free]
+        assert stack.unique().numel() == pool.num_free, "slot twice on the free stack"
+        assert (pool.owner.index_select(0, stack) < 0).all(), "owned slot on the free stack"
         assert pool.free_bits.count() == pool.num_free
         free_mask = _bits(pool.free_bits.words[0], pool.num_slots)
         assert not (free_mask & (pool.owner >= 0)).any(), "slot both free and owned"
