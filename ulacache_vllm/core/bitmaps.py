@@ -1,4 +1,5 @@
-"""Packed multi-row bitmaps with summary levels: the slot sets of PB-LRU buckets and free pools.
+"""Packed multi-row bitmaps with summary levels (slot sets; today the derived free-set view of
+a slot pool, `SlotPool.free_bits`; allocation itself uses a free stack, see pools.py).
 
 Row ``r`` is one set of slots (a bucket, or a free list). Level 0 holds one bit per slot; level
 ``i+1`` holds one bit per word of level ``i`` ("that word is non-zero"), so finding the first

@@ -33,7 +33,7 @@ take a timestamp scan instead, see the end):
   Fixed cost per call (CPU, batch 1): select 5-7 ops (2 window slices unless cached,
   gather, compare, compact, first-k slice, untrack fill), touch 3 ops (positions slice, queue
   write, ``qpos`` scatter), hit_touch 3 shared hit-detection ops + a touch.
-  Free slots are taken from the pool's free bitmap before the policy is asked; a round whose
+  Free slots are taken from the pool's free stack before the policy is asked; a round whose
   misses fit in the free slots never calls the selection at all (the fast path when little
   replacement is needed).
 * the queue is compacted (live entries moved to the front, in order) when the tail reaches the

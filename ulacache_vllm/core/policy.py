@@ -1,6 +1,6 @@
 """Eviction-policy interface shared by PB-LRU and the exact-LRU baselines.
 
-A policy tracks the *occupied* device slots (free slots live in the pool's free bitmap and are
+A policy tracks the *occupied* device slots (free slots live in the pool's free stack and are
 always used first). The mapping calls it with unique slots only.
 """
 
