@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import re
 import signal
@@ -31,11 +32,11 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    model = tiny_model("deepseek_v32")
+@contextlib.contextmanager
+def serve(model, log: Path, extra_args: list[str], timeout: float = 300):
+    """`scripts/serve.sh MODEL ulacache` on a free 127.0.0.1 port with the tight CPU budget of
+    these tests; yields the base URL once healthy, kills the process group after."""
     port = _free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
     env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
                KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024")
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -43,10 +44,10 @@ def server(tiny_model, tmp_path_factory):
         proc = subprocess.Popen(
             ["bash", str(REPO / "scripts" / "serve.sh"), str(model), "ulacache", "127.0.0.1",
              str(port), "--dtype", "float32", "--max-num-seqs", "8",
-             "--ula-host-pool-gib", "0.006"],
+             "--ula-host-pool-gib", "0.006", *extra_args],
             stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited early:\n{log.read_text()[-4000:]}")
@@ -59,13 +60,23 @@ def server(tiny_model, tmp_path_factory):
     else:
         os.killpg(proc.pid, signal.SIGKILL)
         pytest.fail(f"server did not become healthy:\n{log.read_text()[-4000:]}")
-    yield base, str(model), log
-    os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
     assert proc.poll() is not None
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    model = tiny_model("deepseek_v32")
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with serve(model, log, []) as base:
+        yield base, str(model), log
 
 
 def _complete(base, model, prompt, n):

@@ -7,20 +7,13 @@ layers under DP (stock vLLM fails the same way), and the MLP is irrelevant to th
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
-from test_serve import _complete, _free_port
-
-REPO = Path(__file__).resolve().parents[1]
+from test_serve import _complete, serve
 
 
 def _per_engine(text: str, name: str) -> dict[str, float]:
@@ -35,37 +28,9 @@ def _per_engine(text: str, name: str) -> dict[str, float]:
 @pytest.fixture(scope="module")
 def dp_server(tiny_model, tmp_path_factory):
     model = tiny_model("deepseek_v32", first_k_dense_replace=2)  # both layers dense MLP
-    port = _free_port()
     log = tmp_path_factory.mktemp("serve_dp") / "serve.log"
-    env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
-               KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024")
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            ["bash", str(REPO / "scripts" / "serve.sh"), str(model), "ulacache", "127.0.0.1",
-             str(port), "--dtype", "float32", "--max-num-seqs", "8",
-             "--ula-host-pool-gib", "0.006", "--data-parallel-size", "2"],
-            stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 400
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"server exited early:\n{log.read_text()[-4000:]}")
-        try:
-            if requests.get(base + "/health", timeout=2).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        time.sleep(2)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"server did not become healthy:\n{log.read_text()[-4000:]}")
-    yield base, str(model), log
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    with serve(model, log, ["--data-parallel-size", "2"], timeout=400) as base:
+        yield base, str(model), log
 
 
 def test_dp_ranks_serve_and_report_their_own_pools(dp_server):
