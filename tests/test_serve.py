@@ -87,6 +87,21 @@ def _complete(base, model, prompt, n):
     return r.json()
 
 
+def concurrent_greedy(base, model, n: int, growth: int) -> list[dict]:
+    """``n`` concurrent 32-token greedy completions of prompts growing by ``growth`` words;
+    checks their lengths and that a repeat of one gives the same text (greedy is
+    deterministic, whichever engine serves it)."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    prompts = [" ".join(words[(i + j * 3) % len(words)] for j in range(40 + growth * i))
+               for i in range(n)]
+    with cf.ThreadPoolExecutor(n) as ex:
+        outs = list(ex.map(lambda p: _complete(base, model, p, 32), prompts))
+    assert all(o["usage"]["completion_tokens"] == 32 for o in outs)
+    again = _complete(base, model, prompts[n // 2 - 1], 32)
+    assert again["choices"][0]["text"] == outs[n // 2 - 1]["choices"][0]["text"]
+    return outs
+
+
 def test_single_completion(server):
     base, model, _ = server
     out = _complete(base, model, "hello there, tiny model", 8)
@@ -97,15 +112,7 @@ def test_single_completion(server):
 def test_concurrent_completions_move_ulacache_metrics(server):
     base, model, log = server
     before = requests.get(base + "/metrics", timeout=10).text
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    prompts = [" ".join(words[(i + j * 3) % len(words)] for j in range(40 + 15 * i))
-               for i in range(8)]
-    with cf.ThreadPoolExecutor(8) as ex:
-        outs = list(ex.map(lambda p: _complete(base, model, p, 32), prompts))
-    assert all(o["usage"]["completion_tokens"] == 32 for o in outs)
-    # Greedy decoding is deterministic: the same prompt again gives the same text.
-    again = _complete(base, model, prompts[3], 32)
-    assert again["choices"][0]["text"] == outs[3]["choices"][0]["text"]
+    concurrent_greedy(base, model, n=8, growth=15)
     time.sleep(2)
     after = requests.get(base + "/metrics", timeout=10).text
     for name in ("vllm:ulacache_lookups_total", "vllm:ulacache_promotions_total",

@@ -6,14 +6,13 @@ layers under DP (stock vLLM fails the same way), and the MLP is irrelevant to th
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import re
 import time
 
 import pytest
 import requests
 
-from test_serve import _complete, serve
+from test_serve import concurrent_greedy, serve
 
 
 def _per_engine(text: str, name: str) -> dict[str, float]:
@@ -35,15 +34,7 @@ def dp_server(tiny_model, tmp_path_factory):
 
 def test_dp_ranks_serve_and_report_their_own_pools(dp_server):
     base, model, log = dp_server
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    prompts = [" ".join(words[(i + j * 3) % len(words)] for j in range(40 + 8 * i))
-               for i in range(16)]
-    with cf.ThreadPoolExecutor(16) as ex:
-        outs = list(ex.map(lambda p: _complete(base, model, p, 32), prompts))
-    assert all(o["usage"]["completion_tokens"] == 32 for o in outs)
-    # Greedy is deterministic whichever rank serves the request.
-    again = _complete(base, model, prompts[5], 32)
-    assert again["choices"][0]["text"] == outs[5]["choices"][0]["text"]
+    concurrent_greedy(base, model, n=16, growth=8)  # spread over both ranks
     time.sleep(3)
     text = requests.get(base + "/metrics", timeout=10).text
     cap = _per_engine(text, "vllm:ulacache_device_capacity")
