@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +90,12 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
             raise VllmScriptError(f"vLLM script timed out after {timeout}s\n"
                                   f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
     results = [line[len(_MARK):] for line in proc.stdout.splitlines() if line.startswith(_MARK)]
+    if results and proc.returncode == -signal.SIGABRT and "terminate called" in proc.stderr:
+        # The script finished and emitted its result; vLLM's CPU engine then occasionally
+        # aborts in a C++ thread destructor while the interpreter shuts down (seen about once
+        # in ten CI runs, stock backend included). That is not what the tests measure.
+        warnings.warn("vLLM script aborted at shutdown after emitting its result")
+        return json.loads(results[-1])
     if proc.returncode != 0 or not results:
         raise VllmScriptError(
             f"vLLM script exited {proc.returncode} with {len(results)} results\n"
