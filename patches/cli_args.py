@@ -20,7 +20,8 @@ _SETTING_FLAGS = {
                       "ulacache: host-memory pool for sparse-MLA KV rows, in GiB (exclusive "
                       "tier beside the device pool; default 4)."),
     "lru": ("--ula-lru", str,
-            "ulacache: device-pool victim policy: pblru (default), exact_ts, exact_list."),
+            "ulacache: device-pool victim policy: pblru (default), pblru_bitmap, exact_ts, "
+            "exact_list."),
     "trace_path": ("--ula-trace-path", str,
                    "ulacache: write each step's selected logical KV addresses to this file "
                    "(replayable by benchmarks/pblru_vs_lru.py)."),

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from ulacache_vllm.engine.config import UlaSettings
 from ulacache_vllm.engine.kv_translation import get_translator
 from ulacache_vllm.engine.sizing import UlaLayout
+from ulacache_vllm.engine.wiring import LRU_CHOICES
 from ulacache_vllm.engine.worker_store import UlaWorkerStore
 
 HEAD = 8
 BS = 16
 
 
-def make_store(device_slots=64, host_slots=512, layers=("l.0", "l.1"), leaders=("l.0", "l.1")):
+def make_store(device_slots=64, host_slots=512, layers=("l.0", "l.1"), leaders=("l.0", "l.1"),
+               lru="pblru"):
     layout = UlaLayout(block_size=BS, device_slots=device_slots, host_slots=host_slots,
                        num_logical=device_slots + host_slots,
                        num_blocks=(device_slots + host_slots) // BS + 1,
@@ -24,7 +27,7 @@ def make_store(device_slots=64, host_slots=512, layers=("l.0", "l.1"), leaders=(
                        mla_row_bytes={n: HEAD * 4 for n in layers}, mla_head_size=HEAD,
                        mla_dtype="float32", indexer_bytes_per_token=0)
     mods = {n: SimpleNamespace(kv_cache=None, impl=SimpleNamespace()) for n in layers}
-    return UlaWorkerStore(layout, UlaSettings(), mods, torch.device("cpu")), mods
+    return UlaWorkerStore(layout, UlaSettings(lru=lru), mods, torch.device("cpu")), mods
 
 
 def write(store, mods, addrs):
@@ -74,8 +77,9 @@ def test_identity_fast_path_then_adopt_on_overflow():
         assert torch.equal(got[name][0], _row(sel[0], li))
 
 
-def test_spills_and_chunked_fallback_keep_data_exact():
-    store, mods = make_store(device_slots=64, host_slots=512)
+@pytest.mark.parametrize("lru", LRU_CHOICES)
+def test_spills_and_chunked_fallback_keep_data_exact(lru):
+    store, mods = make_store(device_slots=64, host_slots=512, lru=lru)
     live = []
     for step in range(10):  # 10 steps x 40 new tokens = 400 entries >> 64 device slots
         store.begin_step([])
@@ -99,6 +103,7 @@ def test_spills_and_chunked_fallback_keep_data_exact():
         assert bool((got[name][~valid] == -1).all())
     assert store.counters.fallback_chunks > 0
     assert store.counters.promotions > 0 and store.counters.demotions > 0
+    assert {getattr(g.mapping.policy, "inner", g.mapping.policy).name for g in store.groups} == {lru}
     # Freeing every block returns both pools to empty and re-enables identity placement.
     store.begin_step(sorted(set((live // BS).tolist())))
     assert store.usage()["device_used"] == 0 and store.usage()["host_used"] == 0

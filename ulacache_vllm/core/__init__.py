@@ -6,6 +6,7 @@ from .fence import Fence, ManualEvent
 from .mapping import (DEVICE, HOST, PENDING, REMOTE, STAGING, MappingStats, MovePlan,
                       TieredMapping, unpack)
 from .pblru import PBLRU
+from .pblru_bitmap import BitmapPBLRU
 from .placement import Placement
 from .pools import CapacityError, SlotPool
 from .store import RowStore
@@ -13,5 +14,5 @@ from .store import RowStore
 __all__ = [
     "LogicalAddressSpace", "ListLRU", "TimestampLRU", "Fence", "ManualEvent", "DEVICE", "HOST",
     "PENDING", "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
-    "PBLRU", "Placement", "CapacityError", "SlotPool", "RowStore",
+    "PBLRU", "BitmapPBLRU", "Placement", "CapacityError", "SlotPool", "RowStore",
 ]

@@ -1,10 +1,12 @@
-"""Packed multi-row bitmaps with summary levels (slot sets; today the derived free-set view of
-a slot pool, `SlotPool.free_bits`; allocation itself uses a free stack, see pools.py).
+"""Packed multi-row bitmaps with summary levels: the buckets of the bitmap PB-LRU
+(`pblru_bitmap.py`) and the derived free-set view of a slot pool (`SlotPool.free_bits`;
+allocation itself uses a free stack, see pools.py).
 
 Row ``r`` is one set of slots (a bucket, or a free list). Level 0 holds one bit per slot; level
 ``i+1`` holds one bit per word of level ``i`` ("that word is non-zero"), so finding the first
 ``k`` members in a priority order of rows only touches non-empty segments. Rows are padded so
-that every level has whole words; the top level has at most 64 words per row.
+that every level has whole words; the top level has at most 64 words per row. Summary levels
+are rebuilt lazily, once before the next search, however many updates came before it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class HierBitmap:
         self.levels = [torch.zeros(rows, w, dtype=torch.int64, device=device)
                        for w in self.level_words]
         self.device = device
+        self._dirty = False
 
     @property
     def words(self) -> torch.Tensor:
@@ -41,6 +44,7 @@ class HierBitmap:
             nz = (below != 0).view(self.rows, -1, 64).to(torch.int64) << shifts
             # Distinct bits: the sum is their OR.
             self.levels[i] = nz.sum(-1)
+        self._dirty = False
 
     def mask(self, slots: torch.Tensor) -> torch.Tensor:
         """Word mask [W0] of unique ``slots``."""
@@ -50,17 +54,25 @@ class HierBitmap:
         """Add unique ``slots`` to ``row`` (caller guarantees they are in no other row)."""
         if slots.numel():
             self.levels[0][row] |= self.mask(slots)
-            self.rebuild_summaries()
+            self._dirty = True
 
     def remove(self, slots: torch.Tensor) -> None:
         """Remove unique ``slots`` from whichever rows hold them."""
         if slots.numel():
             self.levels[0] &= ~self.mask(slots)
-            self.rebuild_summaries()
+            self._dirty = True
+
+    def move_to(self, row: int, slots: torch.Tensor) -> None:
+        """Put unique ``slots`` in ``row`` only, taking them out of any other row."""
+        if slots.numel():
+            m = self.mask(slots)
+            self.levels[0] &= ~m
+            self.levels[0][row] |= m
+            self._dirty = True
 
     def move_all(self, src: int, dst: int) -> None:
         """Fold row ``src`` into ``dst`` (labels only)."""
-        for lev in self.levels:
+        for lev in self.levels:  # summaries stay valid: the OR of two rows' summaries
             lev[dst] |= lev[src]
             lev[src] = 0
 
@@ -76,6 +88,8 @@ class HierBitmap:
         """
         if k <= 0:
             return torch.empty(0, dtype=torch.int64, device=self.device)
+        if self._dirty:
+            self.rebuild_summaries()
         nlev = len(self.levels)
         top = self.levels[-1].index_select(0, order).reshape(-1)
         # Flat word indices into the (order-permuted) level, row-major.

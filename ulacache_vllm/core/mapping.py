@@ -29,6 +29,7 @@ from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 from .exact_lru import ListLRU, TimestampLRU
 from .fence import Fence
 from .pblru import PBLRU
+from .pblru_bitmap import BitmapPBLRU
 from .placement import Placement
 from .policy import EvictionPolicy
 from .pools import CapacityError, SlotPool
@@ -100,11 +101,13 @@ class MovePlan:
 def make_policy(lru: str, num_slots: int, device, ring_size: int) -> EvictionPolicy:
     if lru == "pblru":
         return PBLRU(num_slots, device, ring_size=ring_size)
+    if lru == "pblru_bitmap":
+        return BitmapPBLRU(num_slots, device, ring_size=ring_size)
     if lru == "exact_ts":
         return TimestampLRU(num_slots, device)
     if lru == "exact_list":
         return ListLRU(num_slots, device)
-    raise ValueError(f"lru must be pblru|exact_ts|exact_list, got {lru!r}")
+    raise ValueError(f"lru must be pblru|pblru_bitmap|exact_ts|exact_list, got {lru!r}")
 
 
 class _TimedPolicy(EvictionPolicy):

@@ -12,7 +12,7 @@ logger = init_logger("vllm.ulacache")
 SYNC_SCHEDULER = "ulacache_vllm.engine.scheduler.UlaScheduler"
 ASYNC_SCHEDULER = "ulacache_vllm.engine.scheduler.UlaAsyncScheduler"
 WORKER_EXTENSION = "ulacache_vllm.engine.worker_ext.UlaWorkerExtension"
-LRU_CHOICES = ("pblru", "exact_ts", "exact_list")
+LRU_CHOICES = ("pblru", "pblru_bitmap", "exact_ts", "exact_list")
 
 
 def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
