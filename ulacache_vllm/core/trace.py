@@ -21,7 +21,6 @@ requests allowed).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -192,11 +191,18 @@ def load_trace(path: str) -> Trace:
                 req = o.get("req", -1)
                 cols["addr"].append(np.asarray(o["addr"], dtype=np.int64))
                 cols["req"].append(np.asarray(req if isinstance(req, list) else [req] * n, dtype=np.int64))
+                if o.get("kind") not in _KINDS or "step" not in o:
+                    raise ValueError(f"{path}: trace line needs 'step' and 'kind' in "
+                                     f"{sorted(_KINDS)}, got {line.strip()[:120]!r}")
                 for k, v in (("step", o["step"]), ("group", o.get("group", 0)), ("kind", _KINDS[o["kind"]])):
                     cols[k].append(np.full(n, v, dtype=np.int64))
         a = {k: (np.concatenate(v) if v else np.empty(0, np.int64)) for k, v in cols.items()}
     else:
         z = np.load(path)
+        missing = [k for k in ("step", "group", "kind", "req", "addr") if k not in z]
+        if missing:
+            raise ValueError(f"{path}: not a ulacache trace, missing arrays {missing} "
+                             "(see ulacache_vllm.core.trace for the format)")
         a = {k: z[k].astype(np.int64) for k in ("step", "group", "kind", "req", "addr")}
         if "num_logical" in z:
             num_logical = int(z["num_logical"])
@@ -213,8 +219,11 @@ def load_trace(path: str) -> Trace:
             steps.append(TraceStep(kval >> 20, kval & ((1 << 20) - 1), addr[kind == FREE],
                                    addr[kind == APPEND], addr[kind == SELECT], req[kind == SELECT]))
             start += c
+    top = int(a["addr"].max()) + 1 if a["addr"].numel() else 0
     if num_logical is None:
-        num_logical = int(a["addr"].max()) + 1 if a["addr"].numel() else 0
+        num_logical = top
+    elif top > num_logical:
+        raise ValueError(f"{path}: address {top - 1} is outside num_logical={num_logical}")
     demand = max((s.select_addr.numel() + s.append_addr.numel() for s in steps), default=0)
     return Trace(steps, num_logical, working_set=_working_set(steps), peak_demand=demand)
 
@@ -260,4 +269,3 @@ def replay(trace: Trace, mappings: dict, copy_fn=None, on_step=None) -> None:
             m.apply(m.ensure_resident(st.select_addr)[1], noop)
         if on_step is not None:
             on_step(st, time.perf_counter() - t0)
-    _ = math
