@@ -16,7 +16,7 @@ import torch
 
 from . import reference
 
-__all__ = ["use_triton", "impl", "popcount64", "expand_first_k", "queue_push", "queue_take", "translate", "reference"]
+__all__ = ["use_triton", "impl", "popcount64", "expand_first_k", "queue_push", "queue_take", "hit_touch_push", "translate", "reference"]
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -48,6 +48,11 @@ def impl(t: torch.Tensor):
 def queue_push(slots, qslot, qpos, start: int, pos=None):
     return (_mod("pblru_kernels") if use_triton(qslot) else reference).queue_push(
         slots, qslot, qpos, start, pos)
+
+
+def hit_touch_push(loc_vals, qslot, qpos, start: int, iota):
+    return (_mod("pblru_kernels") if use_triton(qslot) else reference).hit_touch_push(
+        loc_vals, qslot, qpos, start, iota)
 
 
 def queue_take(wslots, wpos, qpos, k: int):

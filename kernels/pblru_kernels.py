@@ -1,4 +1,5 @@
-"""Triton kernels for PB-LRU (queue push, stale filter + first-k) and the free-slot bitmaps.
+"""Triton kernels for PB-LRU (hit detection + touch, queue push, stale filter + first-k) and
+the bucket / free-slot bitmaps.
 
 Same semantics and bit layout as ``kernels.reference`` (which is the CPU path and the oracle).
 Import lazily: ``triton.jit`` decides compiled vs interpreted (``TRITON_INTERPRET=1``) at
@@ -46,6 +47,27 @@ def _queue_push_kernel(slots_ptr, qslot_ptr, qpos_ptr, start, n, BLOCK: tl.const
     pos = offs.to(tl.int64) + start
     tl.store(qslot_ptr + pos, s, mask=m)
     tl.store(qpos_ptr + s, pos, mask=m)  # slots are unique: no races
+
+
+@triton.jit
+def _hit_flags_kernel(loc_ptr, flags_ptr, n, BLOCK: tl.constexpr):
+    # A table value is a hit iff its tier (bits 32 and up) is 0; -1 (unmapped) is not.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(loc_ptr + offs, mask=m, other=-1)
+    tl.store(flags_ptr + offs, ((v >> 32) == 0).to(tl.int64), mask=m)
+
+
+@triton.jit
+def _hit_push_kernel(loc_ptr, cum_ptr, qslot_ptr, qpos_ptr, start, n, BLOCK: tl.constexpr):
+    # Each hit appends its slot at start + (its rank among the hits): input order is kept.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(loc_ptr + offs, mask=m, other=-1)
+    hit = m & ((v >> 32) == 0)
+    pos = start + tl.load(cum_ptr + offs, mask=m, other=1) - 1
+    tl.store(qslot_ptr + pos, v, mask=hit)
+    tl.store(qpos_ptr + v, pos, mask=hit)  # unique entries: unique slots, no races
 
 
 @triton.jit
@@ -105,6 +127,23 @@ def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, sta
     if n:
         _queue_push_kernel[(triton.cdiv(n, _BLOCK_N),)](
             slots.contiguous(), qslot, qpos, start, n, BLOCK=_BLOCK_N)
+
+
+def hit_touch_push(loc_vals: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, start: int,
+                   iota: torch.Tensor | None = None):
+    """Hit flags, a prefix sum, one scatter kernel: no boolean compaction on the way."""
+    n = loc_vals.numel()
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=loc_vals.device), loc_vals.new_empty(0)
+    loc = loc_vals.contiguous()
+    flags = torch.empty(n, dtype=torch.int64, device=loc.device)
+    grid = (triton.cdiv(n, _BLOCK_N),)
+    _hit_flags_kernel[grid](loc, flags, n, BLOCK=_BLOCK_N)
+    cum = torch.cumsum(flags, 0)
+    nh = int(cum[-1].item())
+    if nh:
+        _hit_push_kernel[grid](loc, cum, qslot, qpos, start, n, BLOCK=_BLOCK_N)
+    return flags.bool(), qslot[start:start + nh].clone()
 
 
 def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: int):

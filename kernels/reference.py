@@ -97,6 +97,28 @@ def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, sta
         qpos.scatter_(0, slots, pos)
 
 
+def split_hits(loc_vals: torch.Tensor):
+    """``(hit_mask, hit_slots)`` of internal table values: device entries (tier 0) are hits,
+    their value is the slot; host, pending and unmapped (-1 >> 32 == -1) entries are not."""
+    hit = (loc_vals >> SLOT_BITS) == 0
+    return hit, loc_vals.masked_select(hit)
+
+
+def hit_touch_push(loc_vals: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, start: int,
+                   iota: torch.Tensor):
+    """PB-LRU hit detection + touch: the hits among internal table values of unique entries
+    are appended to the queue at ``start, start+1, ...`` in input order (``queue_push``).
+
+    ``iota`` is a cached ``arange`` at least as long as the queue. Returns
+    ``(hit_mask, hit_slots)``.
+    """
+    hit, hs = split_hits(loc_vals)
+    n = hs.numel()
+    if n:
+        queue_push(hs, qslot, qpos, start, iota[start:start + n])
+    return hit, hs
+
+
 def fill_at(t: torch.Tensor, idx: torch.Tensor, value: int) -> None:
     """``t[idx] = value`` for unique ``idx``. From ~1k indices on, scatter_ from a tensor of
     ``value`` (a cached constant buffer) beats index_fill_ by ~2x on CPU; below that

@@ -22,7 +22,8 @@ tt = importlib.import_module("ulacache_vllm.kernels.translate_kernels")
 
 def test_kernels_really_interpreted():
     for fn in (tk._popcount_kernel, tk._expand_kernel, tk._queue_push_kernel, tk._queue_live_kernel,
-               tk._queue_first_k_kernel, tt._translate_kernel):
+               tk._queue_first_k_kernel, tk._hit_flags_kernel, tk._hit_push_kernel,
+               tt._translate_kernel):
         assert isinstance(fn, InterpretedFunction), "Triton kernels would not run on CPU"
 
 
@@ -65,6 +66,33 @@ def test_queue_push(seed, S, n, start):
         expect_p[s_] = start + i
     for qs, qp in outs:
         assert torch.equal(qs, expect_s) and torch.equal(qp, expect_p)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10**6), S=st.integers(1, 400), n=st.integers(0, 300),
+       start=st.integers(0, 200), hit_p=st.sampled_from([0.0, 0.3, 1.0]))
+def test_hit_touch_push(seed, S, n, start, hit_p):
+    """Hit detection + touch: device values (tier 0) are hits and are appended in input order;
+    host (tier 1), pending (tier 2) and unmapped (-1) values are not."""
+    g = torch.Generator().manual_seed(seed)
+    n = min(n, S)
+    slots = torch.randperm(S, generator=g)[:n]  # unique entries -> distinct device slots
+    tier = torch.where(torch.rand(n, generator=g) < hit_p, 0, torch.randint(1, 4, (n,), generator=g))
+    loc = torch.where(tier == 3, -1, (tier << 32) | slots)
+    Q = start + n + 5
+    qs0 = torch.randint(0, S, (Q,), generator=g)
+    qp0 = torch.randint(-1, Q, (S,), generator=g)
+    hit_e = tier == 0
+    hs_e = slots[hit_e]
+    expect_s, expect_p = qs0.clone(), qp0.clone()
+    for i, s_ in enumerate(hs_e.tolist()):
+        expect_s[start + i], expect_p[s_] = s_, start + i
+    iota = torch.arange(Q)
+    for mod in (ref, tk):
+        qs, qp = qs0.clone(), qp0.clone()
+        hit, hs = mod.hit_touch_push(loc, qs, qp, start, iota)
+        assert torch.equal(hit, hit_e) and torch.equal(hs, hs_e), mod
+        assert torch.equal(qs, expect_s) and torch.equal(qp, expect_p), mod
 
 
 @settings(max_examples=25, deadline=None)

@@ -8,16 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ulacache_vllm.kernels.reference import SLOT_BITS
+from ulacache_vllm.kernels.reference import split_hits
 
-
-def split_hits(loc_vals: torch.Tensor):
-    """``(hit_mask, hit_slots)`` of internal table values (shared by every policy).
-
-    A device entry's value is its slot (tier 0); -1 (unmapped) >> 32 is -1: no hit.
-    """
-    hit = (loc_vals >> SLOT_BITS) == 0
-    return hit, loc_vals.masked_select(hit)
+__all__ = ["EvictionPolicy", "split_hits"]
 
 
 class EvictionPolicy:
