@@ -49,7 +49,8 @@ The published design keeps one bitmap per bucket with summary levels; it is impl
 the current one) and a multi-level expansion per search, and order slots by index inside a
 bucket; the stale filter over a position-ordered queue finds the oldest live members with one
 gather/compare/compact and skips dead segments by advancing the head. Measured on CPU (full
-sweep), the queue is 1.0-4x faster than the bitmaps (most at small batches) and matches
+sweep), the queue is up to 4x faster than the bitmaps (most at small batches; about even at
+batch 256 with the smallest pools) and matches
 exact LRU's hit rate exactly, where the bitmaps differ by up to 2.5 pp (cold bucket in slot
 order). ``ring_size`` / ``cold_buckets``
 are accepted for interface compatibility; they do not change the victim order.
