@@ -50,10 +50,9 @@ the current one) and a multi-level expansion per search, and order slots by inde
 bucket; the stale filter over a position-ordered queue finds the oldest live members with one
 gather/compare/compact and skips dead segments by advancing the head. Measured on CPU (full
 sweep), the queue is up to 4x faster than the bitmaps (most at small batches; about even at
-batch 256 with the smallest pools) and matches
-exact LRU's hit rate exactly, where the bitmaps differ by up to 2.5 pp (cold bucket in slot
-order). ``ring_size`` / ``cold_buckets``
-are accepted for interface compatibility; they do not change the victim order.
+batch 256 with the smallest pools) and matches exact LRU's hit rate exactly, where the bitmaps
+differ by up to 2.5 pp (cold bucket in slot order). ``ring_size`` / ``cold_buckets`` are
+accepted for interface compatibility; they do not change the victim order.
 
 Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): the queue's
 fixed handful of ops per selection costs more than one top-k over the whole pool, so such a
