@@ -157,20 +157,24 @@ prompts = [" ".join(words[(i * 3 + j) % 10] for j in range(60 + 20 * i)) for i i
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
 m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()
      if x.name.startswith("vllm:ulacache_") or x.name == "vllm:spec_decode_num_drafts"}
-emit({"out": [o.outputs[0].token_ids for o in outs], "metrics": m})
+paths = llm.collective_rpc("ulacache_usage")[0]["victim_paths"] if ARGS["kw"]["kv_backend"] == "ulacache" else None
+emit({"out": [o.outputs[0].token_ids for o in outs], "metrics": m, "victim_paths": paths})
 """
 
 
 def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
     """DeepSeek-V3.2 with one MTP layer (its own sparse-MLA layer group): greedy speculative
-    decoding gives the same tokens with ulacache under pressure as stock vLLM."""
+    decoding gives the same tokens with ulacache under pressure as stock vLLM. This run also
+    takes the published bucket-bitmap PB-LRU (``ula_lru="pblru_bitmap"``) through the engine;
+    the parity runs above cover the queue and scan victim paths."""
     model = str(tiny_model("deepseek_v32", num_nextn_predict_layers=1))
     ref = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
         "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900)
     ula = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
         "kv_backend": "ulacache", "kv_cache_memory_bytes": 18_000_000,
-        "ula_host_pool_gib": 0.008}}, timeout=900)
+        "ula_host_pool_gib": 0.008, "ula_lru": "pblru_bitmap"}}, timeout=900)
     assert ula["out"] == ref["out"]
+    assert set(ula["victim_paths"]) == {"pblru_bitmap"}, ula["victim_paths"]
     m = ula["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0, m
     assert m["vllm:ulacache_promotions"] > 0 and m["vllm:ulacache_demotions"] > 0, m
