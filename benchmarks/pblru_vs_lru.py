@@ -36,7 +36,7 @@ POLICIES = ("pblru", "pblru_bitmap", "exact_ts", "exact_list")
 
 def run_one(trace, pool, lru, repeats, ring, cold):
     """Hit rate and per-step policy seconds (median over steps of the median over repeats)."""
-    reps, hit = [], None
+    reps, hit, by = [], None, {}
     groups = sorted({s.group for s in trace.steps})
     for _ in range(repeats):
         maps = {g: TieredMapping(trace.num_logical, pool, trace.num_logical, lru=lru,
@@ -55,15 +55,22 @@ def run_one(trace, pool, lru, repeats, ring, cold):
         replay(trace, maps, on_step=on_step)
         path = getattr(next(iter(maps.values())).policy.inner, "victim_path", lru)
         reps.append(times)
+        for m in maps.values():
+            for k, v in m.stats.policy_time_by.items():
+                by[k] = by.get(k, 0.0) + v / repeats
         lk = sum(m.stats.lookups for m in maps.values())
         h = sum(m.stats.hits for m in maps.values()) / max(1, lk)
         assert hit is None or h == hit, "replay is not deterministic"
         hit = h
     per_step = [statistics.median(x) for x in zip(*reps)]
+    # Where the time goes: ms per replayed step by policy call (hit detection + touch of the
+    # hits, other touches, victim selection, ...), averaged over all steps and repeats.
+    nsteps = max(1, len({s.step for s in trace.steps}))
+    by_ms = {k: v * 1e3 / nsteps for k, v in sorted(by.items())}
     if not per_step:
-        return hit, 0.0, 0.0, path
+        return hit, 0.0, 0.0, path, by_ms
     # Median step, and mean step (amortised: includes rare O(pool) work such as compactions).
-    return hit, statistics.median(per_step), statistics.fmean(per_step), path
+    return hit, statistics.median(per_step), statistics.fmean(per_step), path, by_ms
 
 
 def main():
@@ -121,9 +128,10 @@ def main():
             r = dict(batch=b, frac=f, pool=pool, working_set=tr.working_set,
                      peak_demand=tr.peak_demand, clamped=pool > int(f * tr.working_set))
             for lru in POLICIES:
-                hit, med, mean, path = run_one(tr, pool, lru, repeats, a.ring, a.cold)
+                hit, med, mean, path, by_ms = run_one(tr, pool, lru, repeats, a.ring, a.cold)
                 if lru == "pblru":
                     r["pblru_path"] = path
+                r[f"ms_by_call_{lru}"] = by_ms
                 r[f"hit_{lru}"], r[f"ms_{lru}"], r[f"ms_mean_{lru}"] = hit * 100, med * 1e3, mean * 1e3
             best_hit = max(r["hit_exact_ts"], r["hit_exact_list"])
             best_ms = min(r["ms_exact_ts"], r["ms_exact_list"])
@@ -152,6 +160,14 @@ def main():
           f"search, queue windows or the small-pool timestamp scan; bmap: the bucket-bitmap PB-LRU "
           f"(hit rate, ms, speedup vs the same best exact LRU); "
           f"{time.time() - t0:.1f}s)")
+    calls = ("hit_touch", "touch", "select_victims")
+    print("\nms per step by policy call (mean over all steps): hit detection + touch of the hits, "
+          "other touches (promoted / new entries), victim selection")
+    print(f"{'batch':>6} {'pool%':>5} | " + " | ".join(f"{n:^26}" for n in ("pblru", "exact_ts")))
+    for r in rows:
+        cells = [" ".join(f"{r[f'ms_by_call_{lru}'].get(c, 0.0):8.3f}" for c in calls)
+                 for lru in ("pblru", "exact_ts")]
+        print(f"{r['batch']!s:>6} {int(r['frac'] * 100):>5} | " + " | ".join(cells))
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     cfg = dict(quick=a.quick, topk=topk, steps=steps, repeats=repeats, ring=a.ring, cold=a.cold,

@@ -60,6 +60,7 @@ class MappingStats:
     freed: int = 0
     plans: int = 0
     policy_time_s: float = 0.0  # only accumulated with profile=True
+    policy_time_by: dict = field(default_factory=dict)  # the same, per policy method
 
     @property
     def hit_rate(self) -> float:
@@ -121,7 +122,10 @@ class _TimedPolicy(EvictionPolicy):
         try:
             return fn(*a)
         finally:
-            self.stats.policy_time_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            st = self.stats
+            st.policy_time_s += dt
+            st.policy_time_by[fn.__name__] = st.policy_time_by.get(fn.__name__, 0.0) + dt
 
     def hit_touch(self, v):
         return self._t(self.inner.hit_touch, v)
