@@ -29,9 +29,10 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 import torch
 
 from ulacache_vllm.core import TieredMapping
+from ulacache_vllm.core.mapping import POLICIES as MAPPING_POLICIES
 from ulacache_vllm.core.trace import generate_dsa_trace, load_trace, replay
 
-POLICIES = ("pblru", "pblru_bitmap", "exact_ts", "exact_list")
+POLICIES = tuple(MAPPING_POLICIES)
 
 
 def run_one(trace, pool, lru, repeats, ring, cold):

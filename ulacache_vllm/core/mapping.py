@@ -99,16 +99,21 @@ class MovePlan:
         return self._mapping.apply(self, copy_fn)
 
 
+# Victim policies by name, in the order the CLI and the benchmark list them.
+POLICIES = {
+    "pblru": lambda n, dev, ring: PBLRU(n, dev, ring_size=ring),
+    "pblru_bitmap": lambda n, dev, ring: BitmapPBLRU(n, dev, ring_size=ring),
+    "exact_ts": lambda n, dev, ring: TimestampLRU(n, dev),
+    "exact_list": lambda n, dev, ring: ListLRU(n, dev),
+}
+
+
 def make_policy(lru: str, num_slots: int, device, ring_size: int) -> EvictionPolicy:
-    if lru == "pblru":
-        return PBLRU(num_slots, device, ring_size=ring_size)
-    if lru == "pblru_bitmap":
-        return BitmapPBLRU(num_slots, device, ring_size=ring_size)
-    if lru == "exact_ts":
-        return TimestampLRU(num_slots, device)
-    if lru == "exact_list":
-        return ListLRU(num_slots, device)
-    raise ValueError(f"lru must be pblru|pblru_bitmap|exact_ts|exact_list, got {lru!r}")
+    try:
+        factory = POLICIES[lru]
+    except KeyError:
+        raise ValueError(f"lru must be one of {'|'.join(POLICIES)}, got {lru!r}") from None
+    return factory(num_slots, device, ring_size)
 
 
 class _TimedPolicy(EvictionPolicy):

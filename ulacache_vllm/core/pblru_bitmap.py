@@ -78,10 +78,10 @@ class BitmapPBLRU(EvictionPolicy):
         """Per slot: 1 = current round's bucket, 0 = an older bucket, -1 untracked (O(S), tests)."""
         S = self.num_slots
         rows = [K.reference.unpack_bits(self.bm.words[r])[:S] for r in range(self.ring_size + 1)]
-        member = torch.stack(rows).to(torch.int64)
-        if bool((member.sum(0) > 1).any()):
+        count = torch.stack(rows).to(torch.int64).sum(0)
+        if bool((count > 1).any()):
             raise AssertionError("a slot is in two buckets")
         out = torch.full((S,), -1, dtype=torch.int64, device=self.device)
-        out[member.sum(0) > 0] = 0
+        out[count > 0] = 0
         out[rows[self.current]] = 1
         return out

@@ -5,6 +5,8 @@ from typing import Any
 
 from vllm.logger import init_logger
 
+from ulacache_vllm.core.mapping import POLICIES
+
 from .config import KVBackendError, UlaSettings
 
 logger = init_logger("vllm.ulacache")
@@ -12,7 +14,7 @@ logger = init_logger("vllm.ulacache")
 SYNC_SCHEDULER = "ulacache_vllm.engine.scheduler.UlaScheduler"
 ASYNC_SCHEDULER = "ulacache_vllm.engine.scheduler.UlaAsyncScheduler"
 WORKER_EXTENSION = "ulacache_vllm.engine.worker_ext.UlaWorkerExtension"
-LRU_CHOICES = ("pblru", "pblru_bitmap", "exact_ts", "exact_list")
+LRU_CHOICES = tuple(POLICIES)
 
 
 def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
