@@ -45,15 +45,17 @@ def run_one(trace, pool, lru, repeats, ring, cold):
         if lru == "pblru" and cold is not None:
             for m in maps.values():
                 m.policy.inner.__init__(pool, m.device, ring_size=ring, cold_buckets=cold)
-        times, last = [], [0.0]
+        per_step, selecting, last = {}, set(), [0.0]
 
-        def on_step(st, _t):
+        def on_step(st, _t):  # one call per (step, layer group): a step sums its groups
             tot = sum(m.stats.policy_time_s for m in maps.values())
-            if st.select_addr.numel():
-                times.append(tot - last[0])
+            per_step[st.step] = per_step.get(st.step, 0.0) + tot - last[0]
             last[0] = tot
+            if st.select_addr.numel():
+                selecting.add(st.step)
 
         replay(trace, maps, on_step=on_step)
+        times = [per_step[s] for s in sorted(per_step) if s in selecting]
         path = getattr(next(iter(maps.values())).policy.inner, "victim_path", lru)
         reps.append(times)
         for m in maps.values():
@@ -172,10 +174,11 @@ def main():
         print(f"{r['batch']!s:>6} {int(r['frac'] * 100):>5} | " + " | ".join(cells))
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = dict(quick=a.quick, topk=topk, steps=steps, repeats=repeats, ring=a.ring, cold=a.cold,
-               prompt=prompt, decode=decode, prefill_chunk=chunk, overlap=overlap,
-               threads=a.threads,
+    cfg = dict(quick=a.quick, repeats=repeats, ring=a.ring, cold=a.cold, threads=a.threads,
                trace=a.trace)
+    if not a.trace:  # the generator's settings only describe synthetic traces
+        cfg.update(topk=topk, steps=steps, prompt=prompt, decode=decode, prefill_chunk=chunk,
+                   overlap=overlap)
     (out / "pblru_vs_lru.json").write_text(json.dumps(dict(config=cfg, rows=rows), indent=1))
     try:
         import matplotlib

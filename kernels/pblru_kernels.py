@@ -98,6 +98,7 @@ _BLOCK_N = 256
 
 
 def popcount64(words: torch.Tensor) -> torch.Tensor:
+    words = words.contiguous()  # the kernel indexes flat memory
     out = torch.empty_like(words)
     M = words.numel()
     if M:

@@ -39,6 +39,7 @@ def _words(seed, n, density):
 def test_popcount_and_expand(seed, n, density, k):
     w = _words(seed, n, density)
     assert torch.equal(tk.popcount64(w), ref.popcount64(w))
+    assert torch.equal(tk.popcount64(w[::3]), ref.popcount64(w[::3]))  # strided views too
     bits = ((w[:, None] >> torch.arange(64)) & 1).reshape(-1)
     assert torch.equal(ref.popcount64(w), ((w[:, None] >> torch.arange(64)) & 1).sum(1))
     expect = bits.nonzero().squeeze(1)[:k]

@@ -11,7 +11,12 @@ File format (written by ``save_trace``, read by ``load_trace``; the engine recor
   sorted. Optional scalar ``num_logical``.
 * ``.jsonl``: one JSON object per line, ``{"step": int, "group": int, "kind":
   "free"|"append"|"select", "req": [int, ...], "addr": [int, ...]}`` (``req`` may also be a
-  single int applying to every address). An optional first line ``{"num_logical": int}``.
+  single int applying to every address). Header lines ``{"num_logical": int}`` are optional
+  (the engine writes one per run into an appended file; the largest counts).
+
+Steps are >= 0, groups in ``[0, 2**20)``, addresses >= 0; a file that breaks the format raises
+``ValueError`` naming the problem. Traces are written to exactly the given path: JSON lines
+for a ``.jsonl`` name (any case), npz otherwise.
 
 ``free`` lists the addresses of a finished request, ``append`` the entries written this step
 (prefill chunk or decode token), ``select`` the top-k logical addresses read (duplicates across
@@ -62,10 +67,15 @@ def generate_dsa_trace(*, num_steps: int = 128, batch: int = 8, topk: int = 256,
     Each request writes its prompt in chunks of ``prefill_chunk`` (default ``topk``) tokens,
     then decodes one token per step; each decode step selects ``topk`` positions of its
     history, keeping a fraction ``overlap`` (drawn per request) of the previous step's
-    selection. New picks are recency-biased: with probability ``recency_mix`` the age is
+    selection; the other picks avoid the previous selection, so consecutive top-k sets share
+    exactly that fraction (up to rounding; more only while a history is too short to find
+    other positions). New picks are recency-biased: with probability ``recency_mix`` the age is
     exponential with mean ``recency_scale * history``, else uniform. A finished request is
     freed and replaced at once.
     """
+    _check_params(num_steps=num_steps, batch=batch, topk=topk, overlap=overlap,
+                  prompt_len=prompt_len, decode_len=decode_len, prefill_chunk=prefill_chunk,
+                  recency_mix=recency_mix, recency_scale=recency_scale, block_size=block_size)
     g = torch.Generator().manual_seed(seed)
     rnd = np.random.default_rng(seed)
     chunk = prefill_chunk or topk
@@ -117,14 +127,43 @@ def generate_dsa_trace(*, num_steps: int = 128, batch: int = 8, topk: int = 256,
                  dict(batch=batch, topk=topk, overlap=overlap, seed=seed))
 
 
+def _check_params(*, num_steps, batch, topk, overlap, prompt_len, decode_len, prefill_chunk,
+                  recency_mix, recency_scale, block_size) -> None:
+    def need(ok, what):
+        if not ok:
+            raise ValueError(f"generate_dsa_trace: {what}")
+
+    need(num_steps >= 0 and batch >= 1 and topk >= 1 and block_size >= 1,
+         f"num_steps >= 0, batch, topk and block_size >= 1 (got {num_steps}, {batch}, {topk}, "
+         f"{block_size})")
+    need(len(overlap) == 2 and 0.0 <= overlap[0] <= overlap[1] <= 1.0,
+         f"overlap is a range (lo, hi) with 0 <= lo <= hi <= 1, got {overlap}")
+    need(len(prompt_len) == 2 and 1 <= prompt_len[0] <= prompt_len[1],
+         f"prompt_len is a range (lo, hi) with 1 <= lo <= hi (a request needs a history to "
+         f"select from), got {prompt_len}")
+    need(len(decode_len) == 2 and 0 <= decode_len[0] <= decode_len[1],
+         f"decode_len is a range (lo, hi) with 0 <= lo <= hi, got {decode_len}")
+    need(prefill_chunk is None or prefill_chunk >= 1, f"prefill_chunk >= 1, got {prefill_chunk}")
+    need(0.0 <= recency_mix <= 1.0 and recency_scale > 0,
+         f"0 <= recency_mix <= 1 and recency_scale > 0, got {recency_mix}, {recency_scale}")
+
+
 def _select(g, prev, L, k, overlap, mix, scale):
+    """``k`` unique positions of a history of ``L`` tokens: the newest token, a random
+    ``round(overlap * k)`` of ``prev`` (capped at ``k - 1``), and recency-biased new picks that
+    avoid all of ``prev`` (so the overlap with ``prev`` is what was asked for, unless the history
+    is too short to find enough other positions)."""
     k = min(k, L)
-    keep = torch.empty(0, dtype=torch.int64)
-    if prev is not None and prev.numel():
-        keep = prev[torch.randperm(prev.numel(), generator=g)[: min(prev.numel(), round(overlap * k))]]
     taken = torch.zeros(L, dtype=torch.bool)
-    taken[keep] = True
     taken[L - 1] = True  # the newest token is always attended
+    keep = torch.empty(0, dtype=torch.int64)
+    barred = taken
+    if prev is not None and prev.numel():
+        nkeep = min(prev.numel(), round(overlap * k), k - 1)
+        keep = prev[torch.randperm(prev.numel(), generator=g)[:nkeep]]
+        taken[keep] = True
+        barred = taken.clone()
+        barred[prev] = True
     need = k - int(taken.sum())
     picks = [keep, torch.tensor([L - 1])]
     for _ in range(4):
@@ -135,21 +174,48 @@ def _select(g, prev, L, k, overlap, mix, scale):
         rec = (L - 1 - age).clamp_min(0)
         uni = torch.randint(0, L, (n,), generator=g)
         cand = torch.where(torch.rand(n, generator=g) < mix, rec, uni)
-        cand = cand[~taken[cand]]
-        cand = torch.unique(cand)
+        cand = torch.unique(cand[~barred[cand]])
         cand = cand[torch.randperm(cand.numel(), generator=g)[:need]]
+        barred[cand] = True
         taken[cand] = True
         picks.append(cand)
         need -= cand.numel()
-    if need > 0:
-        rest = (~taken).nonzero().squeeze(1)
-        picks.append(rest[torch.randperm(rest.numel(), generator=g)[:need]])
+    for pool in (barred, taken):  # fresh positions first; old ones only if history is short
+        if need > 0:
+            rest = (~pool).nonzero().squeeze(1)
+            rest = rest[torch.randperm(rest.numel(), generator=g)[:need]]
+            taken[rest] = True
+            barred[rest] = True
+            picks.append(rest)
+            need -= rest.numel()
     return torch.cat(picks)
 
 
 # ---------------------------------------------------------------------------- file format
+_COLS = ("step", "group", "kind", "req", "addr")
+_GROUP_BITS = 20  # steps and groups are sorted by one int64 key: step << 20 | group
+_MAX_STEP = 1 << (62 - _GROUP_BITS)
+
+
+def _is_jsonl(path) -> bool:
+    return str(path).lower().endswith(".jsonl")
+
+
 def save_trace(trace: Trace, path: str) -> None:
-    cols = {k: [] for k in ("step", "group", "kind", "req", "addr")}
+    """Write ``trace`` to ``path``: JSON lines if it ends in ``.jsonl``, else npz (at exactly
+    ``path``: numpy would otherwise append ``.npz`` to other names)."""
+    if _is_jsonl(path):
+        with open(path, "w") as f:
+            f.write(json.dumps({"num_logical": trace.num_logical}) + "\n")
+            for st in trace.steps:
+                for name, kind, a in (("free", FREE, st.free_addr), ("append", APPEND, st.append_addr),
+                                      ("select", SELECT, st.select_addr)):
+                    if a.numel():
+                        req = st.select_req.tolist() if kind == SELECT else -1
+                        f.write(json.dumps({"step": st.step, "group": st.group, "kind": name,
+                                            "req": req, "addr": a.tolist()}) + "\n")
+        return
+    cols = {k: [] for k in _COLS}
     for st in trace.steps:
         for kind, a, r in ((FREE, st.free_addr, None), (APPEND, st.append_addr, None),
                            (SELECT, st.select_addr, st.select_req)):
@@ -160,64 +226,124 @@ def save_trace(trace: Trace, path: str) -> None:
             cols["kind"].append(np.full(n, kind)); cols["addr"].append(a.numpy())
             cols["req"].append(r.numpy() if r is not None and r.numel() == n else np.full(n, -1))
     arrs = {k: (np.concatenate(v) if v else np.empty(0)).astype(np.int64) for k, v in cols.items()}
-    if str(path).endswith(".jsonl"):
-        with open(path, "w") as f:
-            f.write(json.dumps({"num_logical": trace.num_logical}) + "\n")
-            for st in trace.steps:
-                for name, kind, a in (("free", FREE, st.free_addr), ("append", APPEND, st.append_addr),
-                                      ("select", SELECT, st.select_addr)):
-                    if a.numel():
-                        req = st.select_req.tolist() if kind == SELECT else -1
-                        f.write(json.dumps({"step": st.step, "group": st.group, "kind": name,
-                                            "req": req, "addr": a.tolist()}) + "\n")
-    else:
-        np.savez_compressed(path, num_logical=np.int64(trace.num_logical), **arrs)
+    with open(path, "wb") as f:
+        np.savez_compressed(f, num_logical=np.int64(trace.num_logical), **arrs)
+
+
+class _Bad(ValueError):
+    pass
+
+
+def _ints(v, what: str) -> np.ndarray:
+    """A 1-D int64 array from a list / array of integers; anything else is a ``_Bad``."""
+    arr = np.asarray(v)
+    if arr.ndim != 1:
+        raise _Bad(f"{what} must be a 1-D list of integers, got {str(v)[:60]!r}")
+    if arr.size and (arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer)):
+        raise _Bad(f"{what} must hold integers, got {arr.dtype} values")
+    return arr.astype(np.int64)
+
+
+def _int(v, what: str) -> int:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+        raise _Bad(f"{what} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _read_jsonl(path):
+    cols = {k: [] for k in _COLS}
+    num_logical = None
+    with open(path) as f:
+        for no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"line {no}"
+            try:
+                o = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _Bad(f"{where} is not JSON ({e.msg})") from None
+            if not isinstance(o, dict):
+                raise _Bad(f"{where} must be a JSON object, got {line.strip()[:60]!r}")
+            if "addr" not in o:
+                if set(o) != {"num_logical"}:  # e.g. a misspelt key: not a header either
+                    raise _Bad(f"{where} is neither a header {{\"num_logical\": N}} nor an event "
+                               f"with 'step', 'kind' and 'addr': {line.strip()[:120]!r}")
+                n_l = _int(o["num_logical"], f"{where}: num_logical")
+                num_logical = n_l if num_logical is None else max(num_logical, n_l)  # appended runs
+                continue
+            if o.get("kind") not in _KINDS or "step" not in o:
+                raise _Bad(f"{where} needs 'step' and 'kind' in {sorted(_KINDS)}, got "
+                           f"{line.strip()[:120]!r}")
+            addr = _ints(o["addr"], f"{where}: addr")
+            n = addr.size
+            req = o.get("req", -1)
+            req = _ints(req, f"{where}: req") if isinstance(req, list) else np.full(n, _int(req, f"{where}: req"))
+            if req.size != n:
+                raise _Bad(f"{where}: 'req' has {req.size} entries for {n} addresses")
+            cols["addr"].append(addr)
+            cols["req"].append(req)
+            for k, v in (("step", _int(o["step"], f"{where}: step")),
+                         ("group", _int(o.get("group", 0), f"{where}: group")),
+                         ("kind", _KINDS[o["kind"]])):
+                cols[k].append(np.full(n, v, dtype=np.int64))
+    return {k: (np.concatenate(v) if v else np.empty(0, np.int64)) for k, v in cols.items()}, num_logical
+
+
+def _read_npz(path):
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04" and magic[:1] != b"":  # npz files are zip archives
+        raise _Bad("not an npz archive (JSON-lines traces need a .jsonl name)")
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise _Bad(f"unreadable npz ({e})") from None
+    missing = [k for k in _COLS if k not in z.files]
+    if missing:
+        raise _Bad(f"not a ulacache trace, missing arrays {missing}")
+    a = {k: _ints(z[k], f"array '{k}'") for k in _COLS}
+    lens = {k: v.size for k, v in a.items()}
+    if len(set(lens.values())) > 1:
+        raise _Bad(f"arrays must have one row per event and address, got lengths {lens}")
+    num_logical = None
+    if "num_logical" in z.files:
+        nl = z["num_logical"]
+        if nl.ndim != 0:
+            raise _Bad(f"num_logical must be a scalar, got shape {nl.shape}")
+        num_logical = _int(nl[()], "num_logical")
+    return a, num_logical
 
 
 def load_trace(path: str) -> Trace:
-    """Load a ``.npz`` or ``.jsonl`` trace (format in the module docstring)."""
-    num_logical = None
-    if str(path).endswith(".jsonl"):
-        cols = {k: [] for k in ("step", "group", "kind", "req", "addr")}
-        with open(path) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                o = json.loads(line)
-                if "addr" not in o:
-                    num_logical = o.get("num_logical", num_logical)
-                    continue
-                n = len(o["addr"])
-                req = o.get("req", -1)
-                cols["addr"].append(np.asarray(o["addr"], dtype=np.int64))
-                cols["req"].append(np.asarray(req if isinstance(req, list) else [req] * n, dtype=np.int64))
-                if o.get("kind") not in _KINDS or "step" not in o:
-                    raise ValueError(f"{path}: trace line needs 'step' and 'kind' in "
-                                     f"{sorted(_KINDS)}, got {line.strip()[:120]!r}")
-                for k, v in (("step", o["step"]), ("group", o.get("group", 0)), ("kind", _KINDS[o["kind"]])):
-                    cols[k].append(np.full(n, v, dtype=np.int64))
-        a = {k: (np.concatenate(v) if v else np.empty(0, np.int64)) for k, v in cols.items()}
-    else:
-        z = np.load(path)
-        missing = [k for k in ("step", "group", "kind", "req", "addr") if k not in z]
-        if missing:
-            raise ValueError(f"{path}: not a ulacache trace, missing arrays {missing} "
-                             "(see ulacache_vllm.core.trace for the format)")
-        a = {k: z[k].astype(np.int64) for k in ("step", "group", "kind", "req", "addr")}
-        if "num_logical" in z:
-            num_logical = int(z["num_logical"])
+    """Load a ``.jsonl`` (by name) or npz (otherwise) trace; format in the module docstring.
+
+    Malformed files raise ``ValueError`` naming the file and the problem.
+    """
+    try:
+        a, num_logical = _read_jsonl(path) if _is_jsonl(path) else _read_npz(path)
+        for k, lo, hi in (("step", 0, _MAX_STEP), ("group", 0, 1 << _GROUP_BITS),
+                          ("kind", FREE, SELECT + 1), ("addr", 0, None)):
+            v = a[k]
+            if v.size and (v.min() < lo or (hi is not None and v.max() >= hi)):
+                bad = v[(v < lo) | (v >= hi)][0] if hi is not None else v[v < lo][0]
+                raise _Bad(f"'{k}' value {bad} is outside [{lo}, {hi if hi is not None else 'inf'})")
+        if num_logical is not None and num_logical < 0:
+            raise _Bad(f"num_logical must be >= 0, got {num_logical}")
+    except _Bad as e:
+        raise ValueError(f"{path}: {e} (see ulacache_vllm.core.trace for the format)") from None
     order = np.lexsort((a["kind"], a["group"], a["step"]))
     a = {k: torch.from_numpy(v[order].copy()) for k, v in a.items()}
     steps = []
     if a["addr"].numel():
-        key = a["step"] * (1 << 20) + a["group"]
+        key = (a["step"] << _GROUP_BITS) | a["group"]
         uniq, counts = torch.unique_consecutive(key, return_counts=True)
         start = 0
         for kval, c in zip(uniq.tolist(), counts.tolist()):
             sl = slice(start, start + c)
             kind, addr, req = a["kind"][sl], a["addr"][sl], a["req"][sl]
-            steps.append(TraceStep(kval >> 20, kval & ((1 << 20) - 1), addr[kind == FREE],
-                                   addr[kind == APPEND], addr[kind == SELECT], req[kind == SELECT]))
+            steps.append(TraceStep(kval >> _GROUP_BITS, kval & ((1 << _GROUP_BITS) - 1),
+                                   addr[kind == FREE], addr[kind == APPEND], addr[kind == SELECT],
+                                   req[kind == SELECT]))
             start += c
     top = int(a["addr"].max()) + 1 if a["addr"].numel() else 0
     if num_logical is None:
