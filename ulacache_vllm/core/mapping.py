@@ -67,6 +67,21 @@ class MappingStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
+class _AllEvents:
+    """The events of one plan's copies (e.g. on different streams) as one event."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def query(self) -> bool:
+        return all(bool(e.query()) for e in self.events)
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            if not e.query():
+                e.synchronize()
+
+
 @dataclass
 class MovePlan:
     """Rows to move, in int64 tensors; apply with ``plan.apply(copy_fn)``.
@@ -89,6 +104,8 @@ class MovePlan:
     _new_vals: Optional[torch.Tensor] = None
     _mapping: Optional["TieredMapping"] = None
     _epoch: int = 0  # the mapping's mutation count right after this plan was made
+    _copies_done: int = 0  # apply() progress, so that a failed copy_fn can be resumed
+    _events: list = field(default_factory=list)
     state: str = "planned"  # planned -> copied -> committed
 
     @property
@@ -158,7 +175,8 @@ class TieredMapping:
         self.device = torch.device(device)
         self.placement = Placement(placement, rank, world_size)
         self.num_logical = num_logical
-        n = self.placement.num_local(num_logical)
+        # At least one row: a TP rank may own no address, and lookups gather a clamped index.
+        n = max(1, self.placement.num_local(num_logical))
         self.loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         self._last_plan = torch.zeros(n, dtype=torch.int64, device=self.device)
@@ -205,9 +223,25 @@ class TieredMapping:
         keep = self._claim.index_select(0, sel) == pos
         return is_local, idx, sel.masked_select(keep)
 
-    def _slots_out(self, is_local, idx) -> torch.Tensor:
+    def _wait_for(self, u: torch.Tensor) -> None:
+        """Wait for the copies of the pending plans that move entries ``u`` (and of the plans
+        before them: plans commit in order), then commit them."""
+        last = int(self._last_plan.index_select(0, u).max()) if u.numel() else 0
+        if last < self._pending[0].plan_id:
+            return
+        for plan in list(self._pending):
+            if plan.plan_id > last:
+                break
+            if plan.state == "planned":
+                raise RuntimeError(f"move plan {plan.plan_id} was never applied: apply each plan "
+                                   "(in creation order) before using or freeing its entries")
+            plan.fence.wait()
+        self.poll()
+
+    def _slots_out(self, is_local, idx, shape) -> torch.Tensor:
         safe = torch.where(is_local, idx, torch.zeros_like(idx))
-        return torch.where(is_local, self.loc.index_select(0, safe) & SLOT_MASK, torch.full_like(idx, -1))
+        out = torch.where(is_local, self.loc.index_select(0, safe) & SLOT_MASK, torch.full_like(idx, -1))
+        return out.reshape(shape)
 
     def _release(self, u: torch.Tensor) -> int:
         lv = self.loc.index_select(0, u)
@@ -242,7 +276,7 @@ class TieredMapping:
         plan.fence.signal()
         return plan
 
-    def _victims_to_host(self, k: int, new_entries: torch.Tensor, promote_src=None):
+    def _victims_to_host(self, k: int, new_entries: torch.Tensor, promote_src=None, victims=None):
         """Pick ``k`` device victims, hand their slots to ``new_entries``, give them host slots.
 
         Host slots come from the free host pool first, then from ``promote_src`` (host slots
@@ -252,7 +286,8 @@ class TieredMapping:
         spare = 0 if promote_src is None else promote_src.numel()
         if k > self.host.num_free + spare:
             raise CapacityError(f"host pool full: {k} demotions, {self.host.num_free} free host slots")
-        victims = self.policy.select_victims(k)
+        if victims is None:
+            victims = self.policy.select_victims(k)
         ventries = self.dev.owner.index_select(0, victims)
         self.dev.take(victims, new_entries)
         hf = min(k, self.host.num_free)
@@ -279,28 +314,48 @@ class TieredMapping:
         self.poll()
         is_local, idx, u = self._local_unique(addrs)
         if u.numel() == 0:
-            return self._slots_out(is_local, idx), self._empty_plan()
-        self._release(u)
+            return self._slots_out(is_local, idx, addrs.shape), self._empty_plan()
         n = u.numel()
+        victims = None
+        if n > self.dev.num_free:
+            # Victims first, so that a CapacityError leaves everything as it was. Entries being
+            # re-assigned give their slots back below: they are neither victims nor counted
+            # as missing room (untracked for the selection, tracked again if it fails).
+            lv = self.loc.index_select(0, u)
+            tier = lv >> SLOT_BITS
+            own_dev = (lv & SLOT_MASK).masked_select(tier == DEVICE)
+            own_host = int((tier == HOST).sum())
+            k = n - self.dev.num_free - own_dev.numel()
+            if k > 0:
+                if k > self.host.num_free + own_host:
+                    raise CapacityError(f"host pool full: {k} demotions, "
+                                        f"{self.host.num_free + own_host} free host slots")
+                self.policy.release(own_dev)
+                try:
+                    victims = self.policy.select_victims(k)
+                except CapacityError:
+                    self.policy.touch(own_dev)
+                    raise
+        self._release(u)
         f = min(n, self.dev.num_free)
         k = n - f
         late = u[f:]
-        if k:  # victims first: a CapacityError must leave the pools untouched
-            victims, ventries, hdst, _ = self._victims_to_host(k, late)
+        if k:
+            victims, ventries, hdst, _ = self._victims_to_host(k, late, victims=victims)
         free_slots = self.dev.alloc(u[:f])
         self.loc.scatter_(0, u[:f], free_slots)
         self.visible.scatter_(0, u[:f], free_slots)
         self.stats.assigned += n
         if k == 0:
             self.policy.touch(free_slots)
-            return self._slots_out(is_local, idx), self._empty_plan()
+            return self._slots_out(is_local, idx, addrs.shape), self._empty_plan()
         self.loc.scatter_(0, late, victims)
         self.policy.touch(torch.cat([free_slots, victims]))
         e = self._empty
         # New entries on victim slots stay PENDING until the demotion has copied the old rows.
         plan = self._new_plan(victims, hdst, e, e, 0, torch.cat([ventries, late]),
                               torch.cat([(HOST << SLOT_BITS) | hdst, victims]))
-        return self._slots_out(is_local, idx), plan
+        return self._slots_out(is_local, idx, addrs.shape), plan
 
     def adopt(self, addrs: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Register unmapped, unique local entries as already resident at the given free
@@ -327,21 +382,26 @@ class TieredMapping:
         used in the current round (so never anything of this call). Returns
         ``(device_slots, plan)`` with ``device_slots`` aligned with ``addrs``.
         Raises ``CapacityError`` when the round's working set exceeds the device pool and
-        ``KeyError`` for addresses that were never assigned.
+        ``KeyError`` for addresses that were never assigned. Either leaves tables, pools and
+        stats unchanged; after a ``CapacityError`` the call's hits stay marked as used in this
+        round (they were requested in it), so the caller splits the round: ``advance_round``
+        between smaller calls, as the engine's chunked attention does.
         """
         self.poll()
         is_local, idx, u = self._local_unique(addrs)
+        if self._pending:
+            self._wait_for(u)  # hits on rows still being copied in are read only after the copy
         lv = self.loc.index_select(0, u)
+        if bool((lv < 0).any()):  # before any touch: a failed call changes nothing
+            raise KeyError("ensure_resident: some addresses were never assigned (or were freed)")
         hit, _ = self.policy.hit_touch(lv)
         miss = u.masked_select(~hit)
         m = miss.numel()
-        self.stats.lookups += u.numel()
-        self.stats.hits += u.numel() - m
         if m == 0:
-            return self._slots_out(is_local, idx), self._empty_plan()
+            self.stats.lookups += u.numel()
+            self.stats.hits += u.numel()
+            return self._slots_out(is_local, idx, addrs.shape), self._empty_plan()
         mv = self.loc.index_select(0, miss)
-        if bool(((mv >> SLOT_BITS) != HOST).any()):
-            raise KeyError("ensure_resident: some addresses were never assigned (or were freed)")
         psrc = mv & SLOT_MASK
         f = min(m, self.dev.num_free)
         k = m - f
@@ -355,15 +415,19 @@ class TieredMapping:
         self.host.release(psrc[c:])  # the first c were re-owned by demotions
         self.loc.scatter_(0, miss, pdst)
         self.policy.touch(pdst)
+        self.stats.lookups += u.numel()
+        self.stats.hits += u.numel() - m
         self.stats.promotions += m
         plan = self._new_plan(victims, hdst, psrc, pdst, c, torch.cat([miss, ventries]),
                               torch.cat([pdst, (HOST << SLOT_BITS) | hdst]))
-        return self._slots_out(is_local, idx), plan
+        return self._slots_out(is_local, idx, addrs.shape), plan
 
     def free(self, addrs: torch.Tensor) -> int:
         """Release entries (device or host); never-assigned addresses are ignored."""
         self.poll()
         _, _, u = self._local_unique(addrs)
+        if self._pending and u.numel():
+            self._wait_for(u)  # a copy in flight may still write their slots: no reuse before
         n = self._release(u) if u.numel() else 0
         self.stats.freed += n
         return n
@@ -392,22 +456,30 @@ class TieredMapping:
             return plan
         if plan._mapping is not self:
             raise ValueError("plan belongs to another mapping")
-        c, ev = plan.num_staged, None
+        for p in self._pending:
+            if p is plan:
+                break
+            if p.state == "planned":  # a later plan may reuse slots an earlier one still fills
+                raise RuntimeError(f"apply move plans in creation order: plan {p.plan_id} "
+                                   f"comes before plan {plan.plan_id} and was not applied")
+        c = plan.num_staged
         stage_idx = torch.arange(c, device=self.device)
-
-        def run(*a):
-            nonlocal ev
+        copies = [(HOST, plan.promote_src_host[:c], STAGING, stage_idx),
+                  (DEVICE, plan.demote_src_device, HOST, plan.demote_dst_host),
+                  (HOST, plan.promote_src_host[c:], DEVICE, plan.promote_dst_device[c:]),
+                  (STAGING, stage_idx, DEVICE, plan.promote_dst_device[:c])]
+        # Resumable: if copy_fn raises, the plan stays planned at that copy and a later apply
+        # continues there (re-running a finished copy could read a host slot a demotion
+        # already overwrote). Each copy may return its own event: the fence waits for all.
+        while plan._copies_done < len(copies):
+            a = copies[plan._copies_done]
             if a[1].numel():
-                r = copy_fn(*a)
-                ev = r if r is not None else ev
-
-        if c:
-            run(HOST, plan.promote_src_host[:c], STAGING, stage_idx)
-        run(DEVICE, plan.demote_src_device, HOST, plan.demote_dst_host)
-        run(HOST, plan.promote_src_host[c:], DEVICE, plan.promote_dst_device[c:])
-        if c:
-            run(STAGING, stage_idx, DEVICE, plan.promote_dst_device[:c])
-        plan.fence.event = ev
+                ev = copy_fn(*a)
+                if ev is not None:
+                    plan._events.append(ev)
+            plan._copies_done += 1
+        plan.fence.event = _AllEvents(plan._events) if len(plan._events) > 1 else (
+            plan._events[0] if plan._events else None)
         plan.state = "copied"
         self.poll()
         return plan
