@@ -7,8 +7,15 @@ picks device victims, which are demoted to the host.
 Two tables: ``loc`` is the bookkeeping location (updated when a move is planned) and
 ``visible`` is what ``resolve`` returns. An entry being moved reads as PENDING in ``visible``
 until its plan is committed, and a plan commits only after its copy is done -- the ordering
-rule *copy data -> update mapping -> signal*. Plans must be applied in creation order (one
-stream); commits happen in that order too.
+rule *copy data -> update mapping -> signal*. Plans must be applied in creation order
+(``apply`` refuses otherwise); commits happen in that order too, and a plan's fence waits for
+the events of all its copies. A slot is never handed to another entry while a copy in flight
+may still write it: ``free`` of, and hits on, entries with copies in flight wait for them.
+
+Failures: ``CapacityError`` (the round's working set exceeds the device pool, or the host
+pool is full) and ``KeyError`` (unknown addresses) leave tables, pools and stats unchanged.
+A ``copy_fn`` that raises leaves its plan applied up to that copy; ``apply`` it again to
+resume (the entries read PENDING meanwhile, and calls that need them refuse).
 
 Internal table values: -1 unmapped, else ``tier << 32 | slot``. Public packed locations
 (``resolve``): ``tier << 48 | rank << 32 | slot``, -1 for padding/unmapped; see ``unpack``.

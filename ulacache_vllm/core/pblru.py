@@ -51,7 +51,7 @@ bucket; the stale filter over a position-ordered queue finds the oldest live mem
 gather/compare/compact and skips dead segments by advancing the head. Measured on CPU (full
 sweep), the queue is up to 4x faster than the bitmaps (most at small batches; about even at
 batch 256 with the smallest pools) and matches exact LRU's hit rate exactly, where the bitmaps
-differ by up to 2.5 pp (cold bucket in slot order). ``ring_size`` / ``cold_buckets`` are
+differ by up to 2.1 pp (cold bucket in slot order). ``ring_size`` / ``cold_buckets`` are
 accepted for interface compatibility; they do not change the victim order.
 
 Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): the queue's
