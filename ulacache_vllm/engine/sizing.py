@@ -130,13 +130,18 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
     check_host_capacity(settings.host_pool_gib, host_slots, M, len(mla), max_model_len)
     if device_slots < need_device:
         need_bytes = need_device * (I + P + M) + host_slots * (I + P)
+        if sched.enable_chunked_prefill:
+            batch_fix = ", lower --max-num-batched-tokens,"
+        else:  # vLLM's CPU build runs MLA without chunked prefill and fixes the batch size
+            batch_fix = (f" (max_num_batched_tokens is fixed at {sched.max_num_batched_tokens} "
+                         "here: chunked prefill is off for MLA on this platform)")
         raise KVBackendError(
             f"ulacache device pool too small: the KV budget of {available_bytes} bytes leaves "
             f"{max(device_slots, 0)} device slots after indexer keys for {host_slots} host "
             f"tokens, but one step needs up to {need_device} (max_num_batched_tokens "
             f"{sched.max_num_batched_tokens} + index_topk {topk}). Raise the KV budget "
             f"(--kv-cache-memory-bytes / --gpu-memory-utilization) to at least {need_bytes} "
-            f"bytes, lower --max-num-batched-tokens, or shrink --ula-host-pool-gib."
+            f"bytes{batch_fix} or shrink --ula-host-pool-gib."
         )
     num_logical = device_slots + host_slots
     names = sorted(mla, key=_layer_index)

@@ -1,0 +1,60 @@
+"""Engine sizing of the device / host pools from a KV budget: the layout and the startup
+errors, which must name a fix that works on the platform in use."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+from ulacache_vllm.engine.config import KVBackendError, UlaSettings
+from ulacache_vllm.engine.sizing import plan_layout
+
+BS = 16
+
+
+def _specs(layers=2):
+    out = {}
+    for i in range(layers):
+        out[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+            block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.float32,
+            cache_role=SparseCacheRole.SPARSE)
+        out[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.float32,
+            cache_role=SparseCacheRole.INDEXER)
+    return out
+
+
+def _config(batched=2048, chunked=False, max_len=1024, topk=64):
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=max_len,
+                                     hf_text_config=SimpleNamespace(index_topk=topk)),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=batched,
+                                         enable_chunked_prefill=chunked))
+
+
+def test_layout_splits_the_budget():
+    row, idx = 2 * 576 * 4, 2 * 128 * 4  # bytes per token: MLA rows, indexer keys
+    host = UlaSettings(host_pool_gib=4096 * row / 2**30)
+    lay = plan_layout(_config(), _specs(), 8192 * (row + idx + 2) + 4096 * (idx + 2), host)
+    assert lay.host_slots == 4096 and lay.device_slots == 8192
+    assert lay.num_logical == lay.device_slots + lay.host_slots
+    assert lay.device_slots % BS == 0 and lay.host_slots % BS == 0
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_device_pool_too_small_names_a_fix_that_applies(chunked):
+    with pytest.raises(KVBackendError, match="device pool too small") as e:
+        plan_layout(_config(chunked=chunked), _specs(), 1_000_000, UlaSettings(host_pool_gib=0.01))
+    msg = str(e.value)
+    assert "2112" in msg  # max_num_batched_tokens 2048 + index_topk 64
+    if chunked:
+        assert "lower --max-num-batched-tokens" in msg
+    else:  # vLLM's CPU build fixes the batch size for MLA: do not suggest changing it
+        assert "lower --max-num-batched-tokens" not in msg and "fixed at 2048" in msg
+
+
+def test_host_pool_too_small_for_one_request():
+    with pytest.raises(KVBackendError, match="host pool too small.*at least"):
+        plan_layout(_config(max_len=4096), _specs(), 1 << 30, UlaSettings(host_pool_gib=0.001))
