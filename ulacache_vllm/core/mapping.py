@@ -283,6 +283,12 @@ class TieredMapping:
         plan.fence.signal()
         return plan
 
+    def _check_host_room(self, k: int, spare: int) -> None:
+        """``k`` demotions need host slots: free ones plus ``spare`` this call vacates."""
+        if k > self.host.num_free + spare:
+            raise CapacityError(f"host pool full: {k} demotions, {self.host.num_free} free host "
+                                f"slots (+{spare} this call frees)")
+
     def _victims_to_host(self, k: int, new_entries: torch.Tensor, promote_src=None, victims=None):
         """Pick ``k`` device victims, hand their slots to ``new_entries``, give them host slots.
 
@@ -290,9 +296,7 @@ class TieredMapping:
         this same plan vacates; those promotions are staged). Returns
         ``(victim_slots, victim_entries, host_dst, num_staged)``.
         """
-        spare = 0 if promote_src is None else promote_src.numel()
-        if k > self.host.num_free + spare:
-            raise CapacityError(f"host pool full: {k} demotions, {self.host.num_free} free host slots")
+        self._check_host_room(k, 0 if promote_src is None else promote_src.numel())
         if victims is None:
             victims = self.policy.select_victims(k)
         ventries = self.dev.owner.index_select(0, victims)
@@ -334,9 +338,7 @@ class TieredMapping:
             own_host = int((tier == HOST).sum())
             k = n - self.dev.num_free - own_dev.numel()
             if k > 0:
-                if k > self.host.num_free + own_host:
-                    raise CapacityError(f"host pool full: {k} demotions, "
-                                        f"{self.host.num_free + own_host} free host slots")
+                self._check_host_room(k, own_host)
                 self.policy.release(own_dev)
                 try:
                     victims = self.policy.select_victims(k)
