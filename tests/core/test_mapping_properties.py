@@ -380,3 +380,59 @@ def test_pblru_is_exact_lru_large_windows(seed):
             n_old -= k
         bk = pb.bucket_of()
         assert torch.equal(bk >= 0, tracked)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_pblru_ring_wraps_exact(seed):
+    """A small ring: pushes wrap around its end (padding), victim windows cross it, a full ring
+    compacts; victims stay exactly ListLRU's, CapacityErrors agree, and the queue invariants
+    (``bucket_of``) hold throughout."""
+    from ulacache_vllm.core import PBLRU, ListLRU
+
+    S = 48
+    g = torch.Generator().manual_seed(seed)
+    pb, ex = PBLRU(S, "cpu", queue_capacity=2 * S + 7, small_pool_slots=0), ListLRU(S, "cpu")
+    tracked = torch.zeros(S, dtype=torch.bool)
+    crossed = 0
+
+    def rnd(n):
+        return int(torch.randint(0, n, (1,), generator=g))
+
+    for it in range(800):
+        op = rnd(6) if (it // 100) % 3 != 2 else rnd(4)  # phases without selections fill the ring
+        if op == 0:  # new entries
+            free = (~tracked).nonzero().squeeze(1)
+            new = free.index_select(0, torch.randperm(free.numel(), generator=g)[: rnd(12)])
+            for p in (pb, ex):
+                p.touch(new)
+            tracked.index_fill_(0, new, True)
+        elif op == 1:  # hits through hit detection
+            live = tracked.nonzero().squeeze(1)
+            hit = live.index_select(0, torch.randperm(live.numel(), generator=g)[: rnd(20)])
+            a, b = pb.hit_touch(hit), ex.hit_touch(hit)
+            assert torch.equal(a[1], b[1])
+        elif op == 2:
+            for p in (pb, ex):
+                p.advance_round()
+        elif op == 3 and rnd(4) == 0:
+            live = tracked.nonzero().squeeze(1)
+            rel = live.index_select(0, torch.randperm(live.numel(), generator=g)[: rnd(4)])
+            for p in (pb, ex):
+                p.release(rel)
+            tracked.index_fill_(0, rel, False)
+        else:
+            k = 1 + rnd(16)
+            lap = pb.head // pb.cap
+            res = []
+            for p in (pb, ex):
+                try:
+                    res.append(p.select_victims(k))
+                except CapacityError:
+                    res.append(None)
+            assert (res[0] is None) == (res[1] is None)
+            if res[0] is not None:
+                crossed += pb.head // pb.cap != lap
+                assert torch.equal(res[0], res[1])
+                tracked.index_fill_(0, res[0], False)
+        assert torch.equal(pb.bucket_of() >= 0, tracked)
+    assert pb.wraps > 5 and pb.compactions > 0 and crossed > 2, (pb.wraps, pb.compactions, crossed)

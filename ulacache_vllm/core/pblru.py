@@ -2,44 +2,49 @@
 
 Representation (a choice against the design doc's per-bucket bitmaps; see below):
 
-* ``qslot`` -- one preallocated append-only queue of touched slots (int64, capacity ``~8 S``).
+* ``qslot`` -- one preallocated queue of touched slots (int64, a ring of capacity ``~8 S``).
   Every touch appends its slots at the tail, so the queue is ordered by time of touch. The
   queue is cut into per-round *buckets* by position: the current round's bucket is
   ``[cur_start, tail)``, older rounds lie before it, oldest first. The ring of recent buckets
   and the cold bucket are just position ranges: folding a bucket into cold costs nothing.
-* ``qpos[slot]`` -- the queue position of the slot's latest entry (``UNTRACKED`` = int64 max:
-  free, released or just evicted). An entry ``(position p, slot s)`` is *live* iff ``qpos[s] == p``;
+* ``qpos[slot]`` -- the queue index of the slot's latest entry (``UNTRACKED`` = int64 max:
+  free, released or just evicted). An entry ``(index p, slot s)`` is *live* iff ``qpos[s] == p``;
   older entries of a re-touched slot, released slots and consumed victims become stale by
   that rule alone, with no removal.
 
-Per-step cost is a constant handful of tensor ops, independent of the pool size (small pools
-take a timestamp scan instead, see the end):
+Per-step cost is a constant handful of tensor ops plus work proportional to the entries
+touched, independent of the pool size (small pools take a timestamp scan instead, see the end):
 
 * touch (hit, promotion, new entry) = ``queue_push``: one slice write of the slots at the tail
-  plus one ``scatter_`` of their positions into ``qpos`` (a Triton kernel on CUDA);
+  plus one ``scatter_`` of their indices into ``qpos`` (a Triton kernel on CUDA);
 * release / eviction = one ``scatter_`` (``index_fill_`` under 1024 slots) of ``UNTRACKED``
   into ``qpos``;
 * advance_round = move ``cur_start`` to the tail (no tensor op);
-* victim selection = ``queue_take`` over a window at the queue head, never past ``cur_start``
-  (never the current round): gather ``qpos`` of the window's slots, compare with the window
-  positions (the stale filter), keep the first ``k`` live ones (oldest first). The window is
-  sized from the observed live fraction (at least ``_MIN_WINDOW`` entries, and the whole rest
-  of ``[head, cur_start)`` when under twice that: one wider scan is cheaper than another round
-  of ops), so the work is proportional to the victims needed, not to the pool; the head then
-  skips everything consumed, so each stale entry is read about once (small windows that hold
-  more live entries than needed may leave the head in place: a rescan of < 2048 entries is
-  cheaper than the ops locating the k-th live one; in large windows its position is read off
-  ``qpos`` of the k-th live slot). The window views are reused while ``(head, size)`` holds.
-  Fixed cost per call (CPU, batch 1): select 5-7 ops (2 window slices unless cached,
-  gather, compare, compact, first-k slice, untrack fill), touch 3 ops (positions slice, queue
-  write, ``qpos`` scatter), hit_touch = ``hit_touch_push``: hit detection and the touch of
-  the hits in one kernel call (CPU: 3 shared hit-detection ops + a touch; CUDA: a flag
-  kernel, a prefix sum and one scatter kernel, no boolean compaction).
+* victim selection = ``queue_take`` over windows at the queue head, never past ``cur_start``
+  (never the current round): gather ``qpos`` of the window's slots, compare with the window's
+  indices (the stale filter), keep the live ones, oldest first. A window is sized from the
+  observed live fraction (at least ``_MIN_WINDOW`` entries, and the whole rest of ``[head,
+  cur_start)`` when under twice that: one wider scan is cheaper than another round of ops;
+  the estimate drops at most 4x per window, so a dead stretch does not size the next window
+  for the whole ring). Live entries a window finds beyond those needed (up to as many as
+  were needed) go to a *stash*, the oldest live entries of all, taken first by the next
+  selection after a stale filter of their own; the head passes the window (or stops after
+  the last one stashed). So every entry is read about once, by one window: the work is
+  proportional to the entries touched since, not to the pool.
+  Fixed cost per call (CPU): select ~6 ops per window plus ~4 for the stash, touch 3 ops
+  (indices slice, queue write, ``qpos`` scatter), hit_touch = ``hit_touch_push``: hit
+  detection and the touch of the hits in one kernel call (CPU: 3 shared hit-detection ops +
+  a touch; CUDA: a flag kernel, a prefix sum and one scatter kernel, no boolean compaction).
   Free slots are taken from the pool's free stack before the policy is asked; a round whose
   misses fit in the free slots never calls the selection at all (the fast path when little
   replacement is needed).
-* the queue is compacted (live entries moved to the front, in order) when the tail reaches the
-  capacity: O(queue) but at most once per ~7 S appended entries, i.e. amortised O(1) per touch.
+* the queue is a ring: positions grow forever, position ``p`` lives at index ``p % cap``, and
+  ``tail - head <= cap`` (counting the stash from its first position) keeps every live entry
+  from being overwritten. A push that would cross the ring's end pads the end with a dummy
+  slot (never live) and starts at index 0. Only a ring full of positions since the head is
+  compacted (live entries moved to the front, in order, O(queue)): with large pools and little
+  eviction. Before the ring, a linear queue compacted every ~7 S pushes, which put steps of
+  100-250 ms (batch 256) into the replay; the ring spreads that work over the windows.
 
 Victim order is exact LRU at touch granularity (oldest touch first, within one touch call in
 slot order: the order of ``ListLRU``), so hit rates match the exact LRU up to tie-breaking.
@@ -98,7 +103,7 @@ class PBLRU(EvictionPolicy):
         self.device = torch.device(device)
         self.num_slots = S = num_slots
         # Live entries never exceed S and one push adds at most S, so 2 S always fits after a
-        # compaction; more room makes compactions (O(queue)) rarer: one per >= 7 S pushes.
+        # compaction; a larger ring keeps compactions (O(queue)) to pools that evict little.
         self.cap = Q = 8 * S + 4096 if queue_capacity is None else queue_capacity
         if Q < 2 * S:
             raise ValueError("queue_capacity must be >= 2 * num_slots")
@@ -107,16 +112,26 @@ class PBLRU(EvictionPolicy):
         self._small = TimestampLRU(S, self.device) if S <= small else None
         if self._small is not None:
             S = Q = 0  # the queue is never used
+        # Slot S is a dummy that is never tracked: it pads the queue's end when a push wraps.
         self.qslot = torch.zeros(Q, dtype=torch.int64, device=self.device)
-        self.qpos = torch.full((S,), UNTRACKED, dtype=torch.int64, device=self.device)
+        self.qpos = torch.full((S + 1 if Q else 0,), UNTRACKED, dtype=torch.int64, device=self.device)
         self.iota = torch.arange(Q, dtype=torch.int64, device=self.device)  # positions
-        self.head = 0        # queue entries before head are consumed or stale
+        # head <= cur_start <= tail are absolute (ever-growing) positions; the queue is a ring,
+        # position p lives at index p % cap, and qpos holds those indices. Entries before head
+        # are consumed or stale; tail - head <= cap, so no live entry is ever overwritten.
+        self.head = 0
         self.cur_start = 0   # first position of the current round's bucket
         self.tail = 0
         self.round = 0
+        self.compactions = 0  # counters, for tests and benchmarks
+        self.wraps = 0
         self._live = 0.5     # estimated live fraction at the head (window sizing)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        self._wkey, self._win = None, None  # (head, size) -> cached window views
+        # Live entries a victim window found beyond the ones it needed, the oldest live entries
+        # of all: (slots, queue indices, an absolute position at or before the first). They are
+        # taken first by the next selection, after a stale filter (re-touched or released ones
+        # drop out), instead of rescanning their window.
+        self._stash = None
         self._k = K.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
 
     @property
@@ -125,36 +140,61 @@ class PBLRU(EvictionPolicy):
         return "scan" if self._small is not None else "queue"
 
     # ------------------------------------------------------------------ queue upkeep
-    def _push(self, slots: torch.Tensor, n: int) -> None:
-        t = self.tail
-        e = t + n
-        if e > self.cap:
+    def _room(self, n: int) -> int:
+        """Make room for ``n`` entries at the tail without splitting them across the ring's end;
+        returns the index of the tail. Wrapping pads the ring's end with the dummy slot (stale
+        entries, skipped by the filter); only a queue holding ``cap`` positions since the head
+        is compacted (a full ring: the pool is large and little is evicted)."""
+        t = self.tail % self.cap
+        pad = self.cap - t if t + n > self.cap else 0
+        lo = self.head if self._stash is None else self._stash[2]  # oldest position in use
+        if self.tail + pad + n - lo > self.cap:
             self._compact()
-            t = self.tail
-            e = t + n
-        self._k.queue_push(slots, self.qslot, self.qpos, t, self.iota[t:e])
-        self.tail = e
+            return self.tail
+        if pad:
+            self.qslot[t:].fill_(self.num_slots)
+            self.tail += pad
+            self.wraps += 1
+            t = 0
+        return t
+
+    def _push(self, slots: torch.Tensor, n: int) -> None:
+        t = self._room(n)
+        self._k.queue_push(slots, self.qslot, self.qpos, t, self.iota[t:t + n])
+        self.tail += n
+
+    def _spans(self, a: int, b: int):
+        """Index ranges of the absolute positions ``[a, b)``: one, or two across the ring's end."""
+        if b <= a:
+            return []
+        i, j = a % self.cap, (b - 1) % self.cap + 1
+        return [(i, j)] if i < j else [(i, self.cap), (0, j)]
+
+    def _live_in(self, a: int, b: int) -> list:
+        qs, qp, io = self.qslot, self.qpos, self.iota
+        return [self._k.queue_take(qs[i:j], io[i:j], qp, j - i)[0] for i, j in self._spans(a, b)]
 
     def _compact(self) -> None:
         """Move the live entries to the front of the queue, keeping their order."""
-        h, c, t = self.head, self.cur_start, self.tail
-        qs, qp, io = self.qslot, self.qpos, self.iota
-        past = self._k.queue_take(qs[h:c], io[h:c], qp, c - h)[0]
-        cur = self._k.queue_take(qs[c:t], io[c:t], qp, t - c)[0]
-        live = torch.cat([past, cur])
+        past = self._live_in(self.head, self.cur_start)
+        if self._stash is not None:
+            st = self._stash
+            past.insert(0, self._k.queue_take(st[0], st[1], self.qpos, st[0].numel())[0])
+            self._stash = None
+        n_past = sum(x.numel() for x in past)
+        live = torch.cat(past + self._live_in(self.cur_start, self.tail))
         n = live.numel()
-        self._k.queue_push(live, qs, qp, 0, io[:n])
-        self.head, self.cur_start, self.tail = 0, past.numel(), n
-        self._wkey = None
+        self._k.queue_push(live, self.qslot, self.qpos, 0, self.iota[:n])
+        self.head, self.cur_start, self.tail = 0, n_past, n
+        self.compactions += 1
 
     # ------------------------------------------------------------------ policy API
     def hit_touch(self, loc_vals):
         if self._small is not None:
             return self._small.hit_touch(loc_vals)
         bound = min(loc_vals.numel(), self.num_slots)  # hits are distinct device slots
-        if self.tail + bound > self.cap:
-            self._compact()
-        hit, hs = self._k.hit_touch_push(loc_vals, self.qslot, self.qpos, self.tail, self.iota)
+        t = self._room(bound)
+        hit, hs = self._k.hit_touch_push(loc_vals, self.qslot, self.qpos, t, self.iota)
         self.tail += hs.numel()
         return hit, hs
 
@@ -177,9 +217,18 @@ class PBLRU(EvictionPolicy):
         if k <= 0:
             return self._empty
         qp = self.qpos
+        parts, need = [], k
+        stash, new_stash = self._stash, None
+        if stash is not None:  # the oldest live entries: they go first
+            live = self._k.queue_take(stash[0], stash[1], qp, stash[0].numel())[0]
+            g = live.numel()
+            parts.append(live[:need])
+            if g > need:
+                rest = live[need:]
+                new_stash = (rest, qp.index_select(0, rest), stash[2])
+            need = max(0, need - g)
         h, end = self.head, self.cur_start
-        parts, need = None, k
-        while True:
+        while need:
             avail = end - h
             if avail <= 0:
                 got = k - need
@@ -189,26 +238,28 @@ class PBLRU(EvictionPolicy):
             m = max(_MIN_WINDOW, int(need / self._live * _OVERSCAN) + 64)
             if 2 * m >= avail:  # a short remainder would cost another round of ops
                 m = avail
-            if self._wkey == (h, m):  # window views are reused while the head stays put
-                ws, wp = self._win
-            else:
-                ws, wp = self.qslot[h:h + m], self.iota[h:h + m]
-                self._wkey, self._win = (h, m), (ws, wp)
-            vic, used, n_live = self._k.queue_take(ws, wp, qp, need)
-            g = vic.numel()
-            self._live = max(_MIN_LIVE, n_live / m)
-            h += used
-            need -= g
-            if need == 0:
-                break
-            if parts is None:
-                parts = []
-            parts.append(vic)
-        if parts is not None:
-            parts.append(vic)
-            vic = torch.cat(parts)
+            i = h % self.cap
+            m = min(m, self.cap - i)  # a window never crosses the ring's end
+            live, _, g = self._k.queue_take(self.qslot[i:i + m], self.iota[i:i + m], qp, m)
+            # At most a 4x drop per window: a dead stretch (e.g. a finished request's entries)
+            # must not size the next window for the whole ring.
+            self._live = max(_MIN_LIVE, g / m, self._live / 4)
+            parts.append(live[:need])
+            if g <= need:
+                need -= g
+                h += m
+                continue
+            # Stash up to a selection's worth of the live entries beyond those needed; the head
+            # passes the window, or stops after the last one stashed.
+            keep = min(g - need, max(need, _MIN_WINDOW))
+            rest = live[need:need + keep]
+            rpos = qp.index_select(0, rest)
+            new_stash = (rest, rpos, h)
+            h += m if need + keep == g else int(rpos[-1]) - i + 1
+            need = 0
+        vic = parts[0] if len(parts) == 1 else torch.cat(parts)
         K.reference.fill_at(qp, vic, UNTRACKED)  # untracked until touched again
-        self.head = h
+        self.head, self._stash = h, new_stash
         return vic
 
     def advance_round(self) -> None:
@@ -229,17 +280,27 @@ class PBLRU(EvictionPolicy):
             tracked = last != UNTRACKED
             out[tracked] = (last[tracked] >= rs).to(torch.int64)
             return out
-        qp = self.qpos
+        qp = self.qpos[:self.num_slots]
         tracked = qp != UNTRACKED
         pos = qp.masked_select(tracked)
         sl = tracked.nonzero().squeeze(1)
+        if not self.head <= self.cur_start <= self.tail <= self.head + self.cap:
+            raise AssertionError("queue bounds out of order")
+        if int(self.qpos[self.num_slots]) != UNTRACKED:
+            raise AssertionError("the dummy slot is tracked")
+        rel = (pos - self.head % self.cap) % self.cap  # distance from the head
+        stashed = torch.zeros_like(tracked)
+        if self._stash is not None:  # live stash entries lie before the head
+            st = self._stash
+            stashed[self._k.queue_take(st[0], st[1], self.qpos, st[0].numel())[0]] = True
+            if not self.head - st[2] <= self.cap:
+                raise AssertionError("stash older than one ring")
         if pos.numel():
-            if int(pos.min()) < self.head or int(pos.max()) >= self.tail:
-                raise AssertionError("live entry outside [head, tail)")
+            if bool((rel >= self.tail - self.head).logical_and_(~stashed.masked_select(tracked)).any()):
+                raise AssertionError("live entry outside [head, tail) and the stash")
             if not torch.equal(self.qslot.index_select(0, pos), sl):
                 raise AssertionError("qpos and the queue disagree")
-        if not self.head <= self.cur_start <= self.tail <= self.cap:
-            raise AssertionError("queue bounds out of order")
         out = torch.full_like(qp, -1)
-        out.masked_scatter_(tracked, (pos >= self.cur_start).to(torch.int64))
+        cur = (rel >= self.cur_start - self.head) & (rel < self.tail - self.head)
+        out.masked_scatter_(tracked, cur.to(torch.int64))
         return out
