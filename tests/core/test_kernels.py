@@ -181,3 +181,49 @@ def test_hier_bitmap_first_k_and_derived_pool_view(seed):
     pool.release(used[::3].clone())
     free = (pool.owner < 0)
     assert pool.free_bits.count() == pool.num_free == int(free.sum())
+
+
+def test_pblru_ring_same_with_triton_path(monkeypatch):
+    """PB-LRU on the Triton kernels picks the same victims as on the torch path through ring
+    wraps, windows crossing the ring's end, stashes and compactions."""
+    from ulacache_vllm.core import PBLRU
+    from ulacache_vllm.core.pools import CapacityError
+
+    S = 24
+    pols = []
+    for force in ("1", "0"):
+        monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
+        pols.append(PBLRU(S, "cpu", queue_capacity=2 * S + 5, small_pool_slots=0))
+    assert pols[0]._k is tk and pols[1]._k is ref
+    g = torch.Generator().manual_seed(5)
+    tracked = torch.zeros(S, dtype=torch.bool)
+    for it in range(240):
+        op = int(torch.randint(0, 6 if (it // 60) % 2 else 4, (1,), generator=g))
+        if op == 0:
+            free = (~tracked).nonzero().squeeze(1)
+            new = free[torch.randperm(free.numel(), generator=g)[: int(torch.randint(0, 8, (1,), generator=g))]]
+            for p in pols:
+                p.touch(new)
+            tracked[new] = True
+        elif op == 1:
+            live = tracked.nonzero().squeeze(1)
+            vals = torch.cat([live[torch.randperm(live.numel(), generator=g)[:10]], torch.tensor([-1, (1 << 32) | 2])])
+            (h0, s0), (h1, s1) = (p.hit_touch(vals) for p in pols)
+            assert torch.equal(h0, h1) and torch.equal(s0, s1)
+        elif op in (2, 3):
+            for p in pols:
+                p.advance_round()
+        else:
+            k = int(torch.randint(1, 8, (1,), generator=g))
+            res = []
+            for p in pols:
+                try:
+                    res.append(p.select_victims(k))
+                except CapacityError:
+                    res.append(None)
+            assert (res[0] is None) == (res[1] is None)
+            if res[0] is not None:
+                assert torch.equal(res[0], res[1])
+                tracked[res[0]] = False
+        assert torch.equal(pols[0].bucket_of(), pols[1].bucket_of())
+    assert pols[0].wraps > 0 and pols[0].compactions > 0 and pols[0].wraps == pols[1].wraps
