@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent, RowStore,
@@ -59,6 +59,10 @@ def _bits(words, n):
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# A failed selection's device hits stay marked used: the next selection may then fail too.
+@example(ops=[("append", 0, 1), ("append", 1, 3), ("advance",), ("append", 0, 3),
+              ("append", 0, 3), ("select", [1], 0), ("select", [0], 0)],
+         lru="exact_list", dev_slots=7, host_extra=0, ring=1, small=False)
 @given(ops=st.lists(op, min_size=1, max_size=40), lru=st.sampled_from(POLICIES),
        dev_slots=st.integers(4, 40), host_extra=st.integers(0, 20), ring=st.integers(1, 4),
        small=st.booleans())
@@ -116,11 +120,16 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
             parts.append(torch.tensor([-1]))
             addrs = torch.cat(parts)  # duplicates + padding on purpose
             before = _dev_slots_of(m, round_touched)
+            uniq = set(addrs.tolist()) - {-1}
+            t0, _, _ = unpack(m.resolve(torch.tensor(sorted(uniq))))
+            hits = {a for a, t in zip(sorted(uniq), t0.tolist()) if t == DEVICE}
             try:
                 slots, plan = m.ensure_resident(addrs)
             except CapacityError:
-                uniq = set(addrs.tolist()) - {-1}
                 assert len(uniq | round_touched) > dev_slots, "spurious CapacityError"
+                # A failed call's hits stay marked used this round (documented): they are
+                # this round's working set from now on, like any touched entry.
+                round_touched |= hits
                 check_invariants(m, store, live)
                 continue
             assert not (set(plan.demote_src_device.tolist()) & before), "evicted a current-round slot"
