@@ -128,7 +128,7 @@ class PBLRU(EvictionPolicy):
         self._live = 0.5     # estimated live fraction at the head (window sizing)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         # Live entries a victim window found beyond the ones it needed, the oldest live entries
-        # of all: (slots, queue indices, an absolute position at or before the first). They are
+        # of all: (slots, queue indices, the absolute position of the first). They are
         # taken first by the next selection, after a stale filter (re-touched or released ones
         # drop out), instead of rescanning their window.
         self._stash = None
@@ -225,7 +225,10 @@ class PBLRU(EvictionPolicy):
             parts.append(live[:need])
             if g > need:
                 rest = live[need:]
-                new_stash = (rest, qp.index_select(0, rest), stash[2])
+                rpos = qp.index_select(0, rest)
+                # The first stashed position, exactly: a stale lower bound would make the
+                # ring look fuller than it is and compact early.
+                new_stash = (rest, rpos, stash[2] + (int(rpos[0]) - stash[2]) % self.cap)
             need = max(0, need - g)
         h, end = self.head, self.cur_start
         while need:
@@ -254,7 +257,7 @@ class PBLRU(EvictionPolicy):
             keep = min(g - need, max(need, _MIN_WINDOW))
             rest = live[need:need + keep]
             rpos = qp.index_select(0, rest)
-            new_stash = (rest, rpos, h)
+            new_stash = (rest, rpos, h + int(rpos[0]) - i)
             h += m if need + keep == g else int(rpos[-1]) - i + 1
             need = 0
         vic = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -293,8 +296,9 @@ class PBLRU(EvictionPolicy):
         if self._stash is not None:  # live stash entries lie before the head
             st = self._stash
             stashed[self._k.queue_take(st[0], st[1], self.qpos, st[0].numel())[0]] = True
-            if not self.head - st[2] <= self.cap:
-                raise AssertionError("stash older than one ring")
+            if not (st[2] <= self.head and self.tail - st[2] <= self.cap
+                    and st[2] % self.cap == int(st[1][0])):
+                raise AssertionError("stash position out of the ring")
         if pos.numel():
             if bool((rel >= self.tail - self.head).logical_and_(~stashed.masked_select(tracked)).any()):
                 raise AssertionError("live entry outside [head, tail) and the stash")
