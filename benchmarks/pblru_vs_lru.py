@@ -191,8 +191,8 @@ def main():
           f"{time.time() - t0:.1f}s)")
     calls = ("hit_touch", "touch", "select_victims")
     print("\nms per step by policy call (mean over all steps and repeats): hit detection + touch "
-          "of the hits, other touches (promoted / new entries), victim selection", end="")
-    print("; worst: the slowest step (ms)")
+          "of the hits, other touches (promoted / new entries), victim selection; worst: the "
+          "slowest step (ms)")
     print(f"{'batch':>6} {'pool%':>5} | " + " | ".join(f"{n:^35}" for n in ("pblru", "exact_ts")))
     for r in rows:
         cells = [" ".join(f"{r[f'ms_by_call_{lru}'].get(c, 0.0):8.3f}" for c in calls)

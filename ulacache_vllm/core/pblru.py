@@ -174,12 +174,16 @@ class PBLRU(EvictionPolicy):
         qs, qp, io = self.qslot, self.qpos, self.iota
         return [self._k.queue_take(qs[i:j], io[i:j], qp, j - i)[0] for i, j in self._spans(a, b)]
 
+    def _stash_live(self) -> torch.Tensor:
+        """The stash's entries still live (not re-touched, released or evicted), in order."""
+        st = self._stash
+        return self._k.queue_take(st[0], st[1], self.qpos, st[0].numel())[0]
+
     def _compact(self) -> None:
         """Move the live entries to the front of the queue, keeping their order."""
         past = self._live_in(self.head, self.cur_start)
         if self._stash is not None:
-            st = self._stash
-            past.insert(0, self._k.queue_take(st[0], st[1], self.qpos, st[0].numel())[0])
+            past.insert(0, self._stash_live())
             self._stash = None
         n_past = sum(x.numel() for x in past)
         live = torch.cat(past + self._live_in(self.cur_start, self.tail))
@@ -220,7 +224,7 @@ class PBLRU(EvictionPolicy):
         parts, need = [], k
         stash, new_stash = self._stash, None
         if stash is not None:  # the oldest live entries: they go first
-            live = self._k.queue_take(stash[0], stash[1], qp, stash[0].numel())[0]
+            live = self._stash_live()
             g = live.numel()
             parts.append(live[:need])
             if g > need:
@@ -295,7 +299,7 @@ class PBLRU(EvictionPolicy):
         stashed = torch.zeros_like(tracked)
         if self._stash is not None:  # live stash entries lie before the head
             st = self._stash
-            stashed[self._k.queue_take(st[0], st[1], self.qpos, st[0].numel())[0]] = True
+            stashed[self._stash_live()] = True
             if not (st[2] <= self.head and self.tail - st[2] <= self.cap
                     and st[2] % self.cap == int(st[1][0])):
                 raise AssertionError("stash position out of the ring")
