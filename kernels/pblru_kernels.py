@@ -144,7 +144,8 @@ def hit_touch_push(loc_vals: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tens
     nh = int(cum[-1].item())
     if nh:
         _hit_push_kernel[grid](loc, cum, qslot, qpos, start, n, BLOCK=_BLOCK_N)
-    return flags.bool(), qslot[start:start + nh].clone()
+    # Hit slots leave as int64 (the queue may be int32); to(copy=True): never a view of it.
+    return flags.bool(), qslot[start:start + nh].to(torch.int64, copy=True)
 
 
 def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: int):
@@ -158,7 +159,7 @@ def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: 
     cum = torch.cumsum(flags, 0)
     total = int(cum[-1].item())
     g = min(k, total)
-    out = torch.empty(g, dtype=torch.int64, device=wslots.device)
+    out = torch.empty(g, dtype=wslots.dtype, device=wslots.device)
     if g:
         _queue_first_k_kernel[grid](wslots, flags, cum, out, m, g, BLOCK=_BLOCK_N)
     if total <= k:

@@ -87,11 +87,13 @@ def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, sta
     n = slots.numel()
     if n:
         if pos is None:
-            pos = torch.arange(start, start + n, dtype=torch.int64, device=slots.device)
-        if n <= _PUSH_SCATTER_MAX:  # one op instead of slice + copy_ (the scatter is slower
-            qslot.scatter_(0, pos, slots)  # per element than a copy: small pushes only)
-        else:
-            qslot[start:start + n] = slots
+            pos = torch.arange(start, start + n, dtype=qpos.dtype, device=slots.device)
+        elif pos.dtype != qpos.dtype:
+            pos = pos.to(qpos.dtype)
+        if n <= _PUSH_SCATTER_MAX and pos.dtype == torch.int64 and slots.dtype == qslot.dtype:
+            qslot.scatter_(0, pos, slots)  # one op instead of slice + copy_ (the scatter is
+        else:                              # slower per element than a copy: small pushes only)
+            qslot[start:start + n] = slots  # (casts int64 slots into an int32 queue)
         # scatter_ with a tensor source: ~2.5x faster than index_copy_ / index_fill_ on CPU
         # at 10^4 indices (same semantics for unique indices).
         qpos.scatter_(0, slots, pos)
@@ -125,7 +127,7 @@ def fill_at(t: torch.Tensor, idx: torch.Tensor, value: int) -> None:
     index_fill_ saves the slice."""
     n = idx.numel()
     if n >= _FILL_SCATTER_MIN:
-        t.scatter_(0, idx, const(value, n, t.device))
+        t.scatter_(0, idx, const(value, n, t.device, t.dtype))
     elif n:
         t.index_fill_(0, idx, value)
 
@@ -133,14 +135,14 @@ def fill_at(t: torch.Tensor, idx: torch.Tensor, value: int) -> None:
 _CONST: dict = {}
 
 
-def const(value: int, n: int, device) -> torch.Tensor:
-    """A length-``n`` int64 view of a cached buffer holding ``value`` (grown on demand; read
-    only: shared by every caller on the device)."""
-    key = (value, torch.device(device))
+def const(value: int, n: int, device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """A length-``n`` view of a cached buffer holding ``value`` (grown on demand; read only:
+    shared by every caller on the device)."""
+    key = (value, torch.device(device), dtype)
     buf = _CONST.get(key)
     if buf is None or buf.numel() < n:
         buf = torch.full((max(n, 2 * (0 if buf is None else buf.numel())),), value,
-                         dtype=torch.int64, device=device)
+                         dtype=dtype, device=device)
         _CONST[key] = buf
     return buf[:n]
 

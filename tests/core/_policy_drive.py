@@ -1,5 +1,7 @@
 """Shared test helper: run one victim selection on several policies side by side."""
 
+import torch
+
 from ulacache_vllm.core.pools import CapacityError
 
 
@@ -13,6 +15,8 @@ def select_all(policies, k):
         except CapacityError:
             res.append(None)
     first = res[0]
+    for r in res:
+        assert r is None or r.dtype == torch.int64  # slots leave every policy as int64
     for r in res[1:]:
         assert (r is None) == (first is None)
         if first is not None:

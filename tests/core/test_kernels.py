@@ -20,6 +20,9 @@ tk = importlib.import_module("ulacache_vllm.kernels.pblru_kernels")
 tt = importlib.import_module("ulacache_vllm.kernels.translate_kernels")
 
 
+QUEUE_DTYPES = [torch.int64, torch.int32]  # PB-LRU's queue is int32
+
+
 def test_kernels_really_interpreted():
     for fn in (tk._popcount_kernel, tk._expand_kernel, tk._queue_push_kernel, tk._queue_live_kernel,
                tk._queue_first_k_kernel, tk._hit_flags_kernel, tk._hit_push_kernel,
@@ -49,15 +52,18 @@ def test_popcount_and_expand(seed, n, density, k):
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), S=st.integers(1, 500), n=st.integers(0, 300),
-       start=st.integers(0, 200))
-def test_queue_push(seed, S, n, start):
+       start=st.integers(0, 200), dtype=st.sampled_from(QUEUE_DTYPES))
+def test_queue_push(seed, S, n, start, dtype):
+    """Append in order; int64 slots into an int64 or int32 (PB-LRU's) queue."""
     g = torch.Generator().manual_seed(seed)
     slots = torch.randperm(S, generator=g)[: min(n, S)]
     Q = start + slots.numel() + 7
-    qs0 = torch.randint(0, S, (Q,), generator=g)
-    qp0 = torch.randint(-1, Q, (S,), generator=g)
+    qs0 = torch.randint(0, S, (Q,), generator=g).to(dtype)
+    qp0 = torch.randint(-1, Q, (S,), generator=g).to(dtype)
     outs = []
-    for mod, pos in ((ref, None), (ref, torch.arange(Q)[start:start + slots.numel()]), (tk, None)):
+    iota = torch.arange(Q, dtype=dtype)
+    for mod, pos in ((ref, None), (ref, iota[start:start + slots.numel()]),
+                     (ref, torch.arange(Q)[start:start + slots.numel()]), (tk, None)):
         qs, qp = qs0.clone(), qp0.clone()
         mod.queue_push(slots, qs, qp, start, pos)
         outs.append((qs, qp))
@@ -71,8 +77,9 @@ def test_queue_push(seed, S, n, start):
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 10**6), S=st.integers(1, 400), n=st.integers(0, 300),
-       start=st.integers(0, 200), hit_p=st.sampled_from([0.0, 0.3, 1.0]))
-def test_hit_touch_push(seed, S, n, start, hit_p):
+       start=st.integers(0, 200), hit_p=st.sampled_from([0.0, 0.3, 1.0]),
+       dtype=st.sampled_from(QUEUE_DTYPES))
+def test_hit_touch_push(seed, S, n, start, hit_p, dtype):
     """Hit detection + touch: device values (tier 0) are hits and are appended in input order;
     host (tier 1), pending (tier 2) and unmapped (-1) values are not."""
     g = torch.Generator().manual_seed(seed)
@@ -81,31 +88,34 @@ def test_hit_touch_push(seed, S, n, start, hit_p):
     tier = torch.where(torch.rand(n, generator=g) < hit_p, 0, torch.randint(1, 4, (n,), generator=g))
     loc = torch.where(tier == 3, -1, (tier << 32) | slots)
     Q = start + n + 5
-    qs0 = torch.randint(0, S, (Q,), generator=g)
-    qp0 = torch.randint(-1, Q, (S,), generator=g)
+    qs0 = torch.randint(0, S, (Q,), generator=g).to(dtype)
+    qp0 = torch.randint(-1, Q, (S,), generator=g).to(dtype)
     hit_e = tier == 0
     hs_e = slots[hit_e]
     expect_s, expect_p = qs0.clone(), qp0.clone()
     for i, s_ in enumerate(hs_e.tolist()):
         expect_s[start + i], expect_p[s_] = s_, start + i
-    iota = torch.arange(Q)
+    iota = torch.arange(Q, dtype=dtype)
     for mod in (ref, tk):
         qs, qp = qs0.clone(), qp0.clone()
         hit, hs = mod.hit_touch_push(loc, qs, qp, start, iota)
         assert torch.equal(hit, hit_e) and torch.equal(hs, hs_e), mod
+        assert hs.dtype == torch.int64, mod  # hit slots leave as int64 (equal ignores dtype)
         assert torch.equal(qs, expect_s) and torch.equal(qp, expect_p), mod
 
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10**6), S=st.integers(1, 400), m=st.integers(0, 3000),
-       k=st.integers(0, 800), live_p=st.sampled_from([0.0, 0.1, 0.5, 1.0]))
-def test_queue_take(seed, S, m, k, live_p):
-    """Stale filter + first k: live iff qpos[slot] == position; window order; consumed count."""
+       k=st.integers(0, 800), live_p=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
+       dtype=st.sampled_from(QUEUE_DTYPES))
+def test_queue_take(seed, S, m, k, live_p, dtype):
+    """Stale filter + first k: live iff qpos[slot] == position; window order; consumed count;
+    the slots come back in the queue's dtype."""
     g = torch.Generator().manual_seed(seed)
     base = int(torch.randint(0, 50, (1,), generator=g))
-    wslots = torch.randint(0, S, (m,), generator=g)
-    wpos = torch.arange(base, base + m)
-    qpos = torch.full((S,), -1, dtype=torch.int64)
+    wslots = torch.randint(0, S, (m,), generator=g).to(dtype)
+    wpos = torch.arange(base, base + m, dtype=dtype)
+    qpos = torch.full((S,), -1, dtype=dtype)
     # Make a random subset of the window the slots' latest entries (one per slot at most).
     want = torch.rand(m, generator=g) < live_p
     for i in range(m):
@@ -113,11 +123,11 @@ def test_queue_take(seed, S, m, k, live_p):
             qpos[wslots[i]] = base + i
     live_idx = [i for i in range(m) if int(qpos[wslots[i]]) == base + i]
     first = live_idx[:k]
-    expect = wslots[first] if first else torch.empty(0, dtype=torch.int64)
+    expect = wslots[first] if first else torch.empty(0, dtype=dtype)
     expect_used = (first[-1] + 1 if len(live_idx) > k and k > 0 else (m if k > 0 else 0))
     for mod in (ref, tk):
         got, used, n_live = mod.queue_take(wslots, wpos, qpos, k)
-        assert torch.equal(got, expect), mod
+        assert torch.equal(got, expect) and got.dtype == dtype, mod  # (equal ignores dtype)
         assert n_live == (len(live_idx) if k > 0 and m else 0)
         # Exact, or (CPU, small window with spare live entries) 0: a safe, lazy head advance.
         lazy = mod is ref and len(live_idx) > k and m <= ref._EXACT_USED_MIN
