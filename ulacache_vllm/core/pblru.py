@@ -2,12 +2,12 @@
 
 Representation (a choice against the design doc's per-bucket bitmaps; see below):
 
-* ``qslot`` -- one preallocated queue of touched slots (int64, a ring of capacity ``~8 S``).
+* ``qslot`` -- one preallocated queue of touched slots (int32, a ring of capacity ``~8 S``).
   Every touch appends its slots at the tail, so the queue is ordered by time of touch. The
   queue is cut into per-round *buckets* by position: the current round's bucket is
   ``[cur_start, tail)``, older rounds lie before it, oldest first. The ring of recent buckets
   and the cold bucket are just position ranges: folding a bucket into cold costs nothing.
-* ``qpos[slot]`` -- the queue index of the slot's latest entry (``UNTRACKED`` = int64 max:
+* ``qpos[slot]`` -- the queue index of the slot's latest entry (``UNTRACKED`` = int32 max:
   free, released or just evicted). An entry ``(index p, slot s)`` is *live* iff ``qpos[s] == p``;
   older entries of a re-touched slot, released slots and consumed victims become stale by
   that rule alone, with no removal.
@@ -86,8 +86,9 @@ UNTRACKED = torch.iinfo(IDX).max  # qpos of a slot with no live entry
 _SMALL_UNTRACKED = torch.iinfo(torch.int64).max  # the small-pool timestamp scan's "untracked"
 # Pools up to this many slots run the exact timestamp scan instead (the small-pool fast path:
 # a whole-pool top-k is then one op of a few microseconds, cheaper than a queue window's
-# handful; on CPU the queue already wins from ~6k slots in the benchmark's traces).
-SMALL_POOL_SLOTS = int(os.environ.get("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "4096"))
+# handful; on CPU, batch 1, the two are even near 7k slots and the queue wins from ~10k in the
+# benchmark's traces).
+SMALL_POOL_SLOTS = int(os.environ.get("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "8192"))
 _MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the scan window
 # Scan windows: at least _MIN_WINDOW entries (a wider window costs far less than another
 # round of ~7 ops), else the victims still needed / the estimated live fraction * _OVERSCAN.
