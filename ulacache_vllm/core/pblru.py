@@ -73,6 +73,7 @@ import torch
 
 from ulacache_vllm import kernels as K
 
+from .exact_lru import _UNTRACKED as _SMALL_UNTRACKED  # the small-pool scan's "untracked"
 from .exact_lru import TimestampLRU
 from .policy import EvictionPolicy
 from .pools import CapacityError
@@ -83,7 +84,6 @@ from .pools import CapacityError
 # at batch 32-128 than int64 in an A/B replay. Slots leave the policy as int64.
 IDX = torch.int32
 UNTRACKED = torch.iinfo(IDX).max  # qpos of a slot with no live entry
-_SMALL_UNTRACKED = torch.iinfo(torch.int64).max  # the small-pool timestamp scan's "untracked"
 # Pools up to this many slots run the exact timestamp scan instead (the small-pool fast path:
 # a whole-pool top-k is then one op of a few microseconds, cheaper than a queue window's
 # handful; on CPU, batch 1, the two are even near 7k slots and the queue wins from ~10k in the
