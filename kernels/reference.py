@@ -90,10 +90,7 @@ def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, sta
             pos = torch.arange(start, start + n, dtype=qpos.dtype, device=slots.device)
         elif pos.dtype != qpos.dtype:
             pos = pos.to(qpos.dtype)
-        if n <= _PUSH_SCATTER_MAX and pos.dtype == torch.int64 and slots.dtype == qslot.dtype:
-            qslot.scatter_(0, pos, slots)  # one op instead of slice + copy_ (the scatter is
-        else:                              # slower per element than a copy: small pushes only)
-            qslot[start:start + n] = slots  # (casts int64 slots into an int32 queue)
+        qslot[start:start + n] = slots  # casts int64 slots into PB-LRU's int32 queue
         # scatter_ with a tensor source: ~2.5x faster than index_copy_ / index_fill_ on CPU
         # at 10^4 indices (same semantics for unique indices).
         qpos.scatter_(0, slots, pos)
@@ -176,7 +173,6 @@ def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: 
 
 
 _EXACT_USED_MIN = 2048
-_PUSH_SCATTER_MAX = 256
 
 
 def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
