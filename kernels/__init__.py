@@ -16,7 +16,7 @@ import torch
 
 from . import reference
 
-__all__ = ["use_triton", "impl", "popcount64", "expand_first_k", "queue_push", "queue_take", "hit_touch_push", "translate", "reference"]
+__all__ = ["use_triton", "impl", "popcount64", "expand_first_k", "queue_push", "queue_take", "hit_touch_push", "translate", "compact", "reference"]
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -38,6 +38,10 @@ def popcount64(words):
 
 def expand_first_k(words, k: int):
     return (_mod("pblru_kernels") if use_triton(words) else reference).expand_first_k(words, k)
+
+
+# Boolean compaction: torch on every device (branch-free on large CPU inputs).
+compact = reference.compact
 
 
 def impl(t: torch.Tensor):

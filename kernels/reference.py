@@ -100,7 +100,38 @@ def split_hits(loc_vals: torch.Tensor):
     """``(hit_mask, hit_slots)`` of internal table values: device entries (tier 0) are hits,
     their value is the slot; host, pending and unmapped (-1 >> 32 == -1) entries are not."""
     hit = (loc_vals >> SLOT_BITS) == 0
-    return hit, loc_vals.masked_select(hit)
+    return hit, compact(loc_vals, hit)
+
+
+# From this many elements on CPU, compact() runs a prefix sum + one scatter instead of
+# masked_select (below it the extra ops cost more than the mispredictions they save).
+COMPACT_SCAN_MIN = 4096
+_SCRATCH: dict = {}
+
+
+def compact(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values.masked_select(mask)`` for 1-D tensors, branch-free on large CPU inputs.
+
+    CPU ``masked_select`` branches on every element: on masks near 50 % dense that are new
+    each call (hits, live queue entries) it mispredicts about half the time, ~5 ns an
+    element. A prefix sum of the mask gives each kept element its output index (1-based;
+    dropped ones get 0 by the multiply, a dump cell) and one scatter writes them all:
+    ~2 ns an element whatever the density (2-2.8x faster at 40-70 % density from 16k
+    elements, measured on fresh masks; even at 5 % and 95 %, where the branch predicts).
+    """
+    m = values.numel()
+    if m == 0 or m < COMPACT_SCAN_MIN or values.device.type != "cpu":
+        return values.masked_select(mask)
+    buf = _SCRATCH.get(values.device)
+    if buf is None or buf.numel() < m:
+        # A reused buffer: a fresh multi-MB one per call costs page faults on CPU.
+        buf = _SCRATCH[values.device] = torch.empty(max(m, 2 * (0 if buf is None else buf.numel())),
+                                                     dtype=torch.int64, device=values.device)
+    idx = torch.cumsum(mask, 0, out=buf[:m])
+    g = int(idx[-1])
+    out = values.new_empty(g + 1)
+    out.scatter_(0, idx.mul_(mask), values)
+    return out[1:]
 
 
 def hit_touch_push(loc_vals: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, start: int,
@@ -161,7 +192,7 @@ def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: 
     if k <= 0 or m == 0:
         return wslots.new_empty(0), 0, 0
     valid = qpos.index_select(0, wslots) == wpos
-    live = wslots.masked_select(valid)
+    live = compact(wslots, valid)
     g = live.numel()
     if g <= k:
         return live, m, g

@@ -4,6 +4,7 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the Triton modules are imported (decoration time)
 
+import contextlib  # noqa: E402
 import importlib  # noqa: E402
 
 import pytest  # noqa: E402
@@ -21,6 +22,17 @@ tt = importlib.import_module("ulacache_vllm.kernels.translate_kernels")
 
 
 QUEUE_DTYPES = [torch.int64, torch.int32]  # PB-LRU's queue is int32
+
+
+@contextlib.contextmanager
+def _compact_scan_min(n: int):
+    """Set the size from which ``reference.compact`` runs branch-free (hypothesis runs many
+    examples per test call, so no function-scoped monkeypatch)."""
+    old, ref.COMPACT_SCAN_MIN = ref.COMPACT_SCAN_MIN, n
+    try:
+        yield
+    finally:
+        ref.COMPACT_SCAN_MIN = old
 
 
 def test_kernels_really_interpreted():
@@ -107,10 +119,16 @@ def test_hit_touch_push(seed, S, n, start, hit_p, dtype):
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10**6), S=st.integers(1, 400), m=st.integers(0, 3000),
        k=st.integers(0, 800), live_p=st.sampled_from([0.0, 0.1, 0.5, 1.0]),
-       dtype=st.sampled_from(QUEUE_DTYPES))
-def test_queue_take(seed, S, m, k, live_p, dtype):
+       dtype=st.sampled_from(QUEUE_DTYPES), scan_min=st.sampled_from([1, 4096]))
+def test_queue_take(seed, S, m, k, live_p, dtype, scan_min):
     """Stale filter + first k: live iff qpos[slot] == position; window order; consumed count;
-    the slots come back in the queue's dtype."""
+    the slots come back in the queue's dtype. ``scan_min=1`` runs the reference's
+    branch-free compaction on every window (by default only from 4096 entries)."""
+    with _compact_scan_min(scan_min):
+        _check_queue_take(seed, S, m, k, live_p, dtype)
+
+
+def _check_queue_take(seed, S, m, k, live_p, dtype):
     g = torch.Generator().manual_seed(seed)
     base = int(torch.randint(0, 50, (1,), generator=g))
     wslots = torch.randint(0, S, (m,), generator=g).to(dtype)
@@ -132,6 +150,29 @@ def test_queue_take(seed, S, m, k, live_p, dtype):
         # Exact, or (CPU, small window with spare live entries) 0: a safe, lazy head advance.
         lazy = mod is ref and len(live_idx) > k and m <= ref._EXACT_USED_MIN
         assert used == expect_used or (lazy and used == 0), (mod, used, expect_used)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), m=st.integers(0, 12000),
+       density=st.sampled_from([0.0, 0.03, 0.5, 0.97, 1.0]),
+       dtype=st.sampled_from([torch.int32, torch.int64, torch.float32]),
+       scan_min=st.sampled_from([1, 4096]))
+def test_compact_is_masked_select(seed, m, density, dtype, scan_min):
+    """The reference's branch-free compaction (prefix sum + scatter into a reused scratch
+    buffer) returns exactly ``masked_select``, and a later call leaves earlier results intact."""
+    with _compact_scan_min(scan_min):
+        _check_compact(seed, m, density, dtype)
+
+
+def _check_compact(seed, m, density, dtype):
+    g = torch.Generator().manual_seed(seed)
+    vals = (torch.randn(m, generator=g) * 1e6).to(dtype)
+    mask = torch.rand(m, generator=g) < density
+    got = ref.compact(vals, mask)
+    keep = got.clone()
+    assert got.dtype == dtype and torch.equal(got, vals.masked_select(mask))
+    ref.compact(vals.flip(0), mask.logical_not())  # reuses the scratch buffer
+    assert torch.equal(got, keep)
 
 
 @settings(max_examples=15, deadline=None)

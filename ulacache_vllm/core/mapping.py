@@ -254,8 +254,9 @@ class TieredMapping:
         lv = self.loc.index_select(0, u)
         mapped = lv >= 0
         tier = lv >> SLOT_BITS
-        dev_slots = (lv & SLOT_MASK).masked_select(mapped & (tier == DEVICE))
-        host_slots = (lv & SLOT_MASK).masked_select(mapped & (tier == HOST))
+        slots = lv & SLOT_MASK
+        dev_slots = K.compact(slots, mapped & (tier == DEVICE))
+        host_slots = K.compact(slots, mapped & (tier == HOST))
         self.policy.release(dev_slots)
         self.dev.release(dev_slots)
         self.host.release(host_slots)
@@ -404,7 +405,7 @@ class TieredMapping:
         if bool((lv < 0).any()):  # before any touch: a failed call changes nothing
             raise KeyError("ensure_resident: some addresses were never assigned (or were freed)")
         hit, _ = self.policy.hit_touch(lv)
-        miss = u.masked_select(~hit)
+        miss = K.compact(u, ~hit)
         m = miss.numel()
         if m == 0:
             self.stats.lookups += u.numel()
