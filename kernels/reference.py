@@ -7,6 +7,8 @@ unmapped, else ``tier << 32 | slot`` (tier 0 device, 1 host, 2 pending).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 SLOT_BITS = 32
@@ -106,7 +108,7 @@ def split_hits(loc_vals: torch.Tensor):
 # From this many elements on CPU, compact() runs a prefix sum + one scatter instead of
 # masked_select (below it the extra ops cost more than the mispredictions they save).
 COMPACT_SCAN_MIN = 4096
-_SCRATCH: dict = {}
+_SCRATCH = threading.local()  # per thread: two threads never share a scratch buffer
 
 
 def compact(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -122,11 +124,11 @@ def compact(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     m = values.numel()
     if m == 0 or m < COMPACT_SCAN_MIN or values.device.type != "cpu":
         return values.masked_select(mask)
-    buf = _SCRATCH.get(values.device)
+    buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.numel() < m:
         # A reused buffer: a fresh multi-MB one per call costs page faults on CPU.
-        buf = _SCRATCH[values.device] = torch.empty(max(m, 2 * (0 if buf is None else buf.numel())),
-                                                     dtype=torch.int64, device=values.device)
+        buf = _SCRATCH.buf = torch.empty(max(m, 2 * (0 if buf is None else buf.numel())),
+                                         dtype=torch.int64)
     idx = torch.cumsum(mask, 0, out=buf[:m])
     g = int(idx[-1])
     out = values.new_empty(g + 1)
