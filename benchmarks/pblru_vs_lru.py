@@ -109,6 +109,8 @@ def main():
     ap.add_argument("--topk", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--overlap", type=float, nargs=2, default=[0.4, 0.8], metavar=("LO", "HI"),
+                    help="step-to-step top-k overlap range drawn per request (default 0.4 0.8)")
     ap.add_argument("--ring", type=int, default=8)
     ap.add_argument("--cold", type=int, default=None, help="PB-LRU cold sub-buckets (default: the policy's)")
     # One thread: policy bookkeeping is a single-threaded scheduler job, and on shared / loaded
@@ -131,7 +133,7 @@ def main():
     prompt = (2048, 6144) if a.quick else (8192, 24576)
     decode = (steps, 2 * steps)
     chunk = topk
-    overlap = (0.4, 0.8)
+    overlap = tuple(a.overlap)
 
     traces = []
     if a.trace:

@@ -210,3 +210,74 @@ def test_slots_keep_the_input_shape():
     assert slots.shape == (2, 3)
     slots2, _ = m.ensure_resident(a)
     assert torch.equal(slots, slots2) and m.resolve(a).shape == (2, 3)
+
+
+@pytest.mark.parametrize("lru", list(POLICIES))
+def test_reassign_waits_for_a_promotion_into_its_slot(lru):
+    """Re-assigning an entry whose promotion is in flight gives its slot back only after the
+    copy: otherwise the new rows written there would be overwritten by the old promoted row."""
+    m, store = _filled(lru, 4, 8, 8)
+    dc = _DeferredCopies(store)
+    _, plan = m.ensure_resident(torch.tensor([0]))  # promote 0 (copy queued, not run)
+    plan.apply(dc.copy_fn)
+    m.advance_round()
+    assert dc.queue and not plan.fence.completed
+    slots, plan2 = m.assign(torch.tensor([9, 0]))  # a new entry + re-assignment of 0
+    assert plan.fence.completed and not dc.queue
+    plan2.apply(store.copy_fn)
+    store.write(DEVICE, slots, torch.tensor([109, 999]))
+    assert _values(m, store, [0, 9]) == [999, 109]
+    live = [a for a in range(1, 8) if int(m.loc[a]) >= 0]
+    assert _values(m, store, live) == [100 + a for a in live]
+
+
+@pytest.mark.parametrize("lru", list(POLICIES))
+def test_reassign_waits_for_the_demotion_out_of_its_slot(lru):
+    """Entry 9 took the slot of a victim whose demotion copy (device -> host) is in flight:
+    re-assigning 9 must not let its new row land before the copy has read the victim's."""
+    m, store = _filled(lru, 4, 8, 4)
+    dc = _DeferredCopies(store)
+    slots, plan = m.assign(torch.tensor([9]))  # demotes the oldest entry
+    plan.apply(dc.copy_fn)
+    m.advance_round()
+    assert dc.queue
+    slots, plan2 = m.assign(torch.tensor([9]))
+    assert plan.fence.completed and not dc.queue
+    plan2.apply(store.copy_fn)
+    store.write(DEVICE, slots, torch.tensor([202]))
+    assert _values(m, store, [0, 1, 2, 3, 9]) == [100, 101, 102, 103, 202]
+
+
+def test_reassign_refuses_entries_of_an_unapplied_plan():
+    m, store = _filled("pblru", 4, 8, 8)
+    _, plan = m.ensure_resident(torch.tensor([0]))
+    with pytest.raises(RuntimeError, match="never applied"):
+        m.assign(torch.tensor([0]))
+    plan.apply(store.copy_fn)
+    m.assign(torch.tensor([0]))
+
+
+def test_addresses_past_the_address_space():
+    m, store = _filled("pblru", 4, 8, 8)  # num_logical 64
+    before = _snapshot(m)
+    for call in (m.assign, m.ensure_resident, m.resolve):
+        with pytest.raises(KeyError, match=r"\[64, 70\].*\[0, 64\)"):
+            call(torch.tensor([1, 64, 70, -1]))
+    assert _same(before, _snapshot(m))
+    assert m.free(torch.tensor([64, 1000])) == 0  # never assigned: ignored, as documented
+    assert m.free(torch.tensor([1, 64])) == 1
+    with pytest.raises(TypeError, match="integers"):
+        m.ensure_resident(torch.tensor([1.0]))
+    assert m.resolve([2, 3]).shape == (2,)  # plain lists are accepted
+
+
+def test_adopt_checks_its_input_before_changing_anything():
+    m = TieredMapping(8, 4, 4)
+    before = _snapshot(m)
+    with pytest.raises(ValueError, match="2 addresses but 1 slots"):
+        m.adopt(torch.tensor([0, 1]), torch.tensor([2]))
+    with pytest.raises(ValueError, match=r"\[0, 4\)"):
+        m.adopt(torch.tensor([0]), torch.tensor([4]))
+    assert _same(before, _snapshot(m))
+    m.adopt(torch.tensor([0, 1]), torch.tensor([2, 3]))
+    assert m.dev.num_free == 2 and m.assign(torch.arange(2, 4))[1].empty

@@ -438,3 +438,14 @@ def test_pblru_ring_wraps_exact(seed):
                 tracked.index_fill_(0, vic, False)
         assert torch.equal(pb.bucket_of() >= 0, tracked)
     assert pb.wraps > 5 and pb.compactions > 0 and crossed > 2, (pb.wraps, pb.compactions, crossed)
+
+
+def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
+    monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "100")
+    PB = pblru_mod.PBLRU
+    assert PB(100, "cpu").victim_path == "scan" and PB(101, "cpu").victim_path == "queue"
+    assert TieredMapping(64, 100, 8).policy.victim_path == "scan"
+    assert PB(50, "cpu", small_pool_slots=0).victim_path == "queue"  # the argument wins
+    monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "lots")
+    with pytest.raises(ValueError, match="ULACACHE_PBLRU_SMALL_POOL_SLOTS must be an integer"):
+        PB(10, "cpu")

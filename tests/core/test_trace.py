@@ -91,7 +91,9 @@ def test_overlap_extremes_are_exact_and_topk_is_kept(ov):
 
 @pytest.mark.parametrize("kw", [dict(prompt_len=(0, 0)), dict(overlap=(0.9, 0.5)),
                                 dict(overlap=(0.5, 1.5)), dict(batch=0), dict(topk=0),
-                                dict(decode_len=(5, 2)), dict(recency_mix=2.0)])
+                                dict(decode_len=(5, 2)), dict(recency_mix=2.0),
+                                dict(overlap=0.5), dict(prompt_len=10), dict(batch=1.5),
+                                dict(topk=2.5), dict(prompt_len=(10.0, 20.0)), dict(batch=True)])
 def test_generator_rejects_bad_parameters(kw):
     with pytest.raises(ValueError, match="generate_dsa_trace"):
         generate_dsa_trace(num_steps=3, **kw)
@@ -158,3 +160,17 @@ def test_engine_style_jsonl_with_repeated_headers(tmp_path):
     p.write_text("".join(json.dumps(x) + "\n" for x in lines))
     tr = load_trace(str(p))
     assert tr.num_logical == 32 and [(s.step, s.group) for s in tr.steps] == [(0, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".npz"])
+def test_roundtrip_of_a_hand_made_trace_without_requests(tmp_path, suffix):
+    """A trace built by hand (no per-address request ids) saves and loads in both formats."""
+    from ulacache_vllm.core.trace import Trace, TraceStep
+    tr = Trace([TraceStep(0, select_addr=torch.tensor([1, 2]), append_addr=torch.tensor([1, 2]))], 4)
+    path = tmp_path / f"t{suffix}"
+    save_trace(tr, str(path))
+    back = load_trace(str(path))
+    assert back.num_logical == 4 and len(back.steps) == 1
+    st = back.steps[0]
+    assert st.select_addr.tolist() == [1, 2] and st.append_addr.tolist() == [1, 2]
+    assert st.select_req.tolist() in ([], [-1, -1])

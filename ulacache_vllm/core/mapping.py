@@ -9,7 +9,9 @@ Two tables: ``loc`` is the bookkeeping location (updated when a move is planned)
 until its plan is committed, and a plan commits only after its copy is done -- the ordering
 rule *copy data -> update mapping -> signal*. Plans must be applied in creation order
 (``apply`` refuses otherwise); commits happen in that order too, and a plan's fence waits for
-the events of all its copies. A slot is never handed to another entry while a copy in flight
+the events of all its copies. The copies themselves must run in issue order (one in-order
+stream, as in the engine): host slots a plan's promotions vacate may be the demotion targets
+of the next plan. A slot is never handed to another entry while a copy in flight
 may still write it: ``free`` of, and hits on, entries with copies in flight wait for them.
 
 Failures: ``CapacityError`` (the round's working set exceeds the device pool, or the host
@@ -212,9 +214,26 @@ class TieredMapping:
     def num_pending(self) -> int:
         return len(self._pending)
 
+    def _addrs(self, addrs, what: str, ignore_out_of_range: bool = False):
+        """``(flat, shape)``: logical addresses as a flat int64 tensor on the mapping's device
+        and their shape; negative values are padding. Addresses past the address space raise ``KeyError`` (or, with
+        ``ignore_out_of_range``, become padding: they were never assigned)."""
+        t = torch.as_tensor(addrs, device=self.device)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{what}: logical addresses must be integers, got {t.dtype}")
+        shape = t.shape
+        t = t.to(torch.int64).reshape(-1)
+        if t.numel() and int(t.max()) >= self.num_logical:
+            bad = t >= self.num_logical
+            if ignore_out_of_range:
+                return t.masked_fill(bad, -1), shape
+            raise KeyError(f"{what}: addresses {t.masked_select(bad)[:8].tolist()} are outside "
+                           f"the logical address space [0, {self.num_logical})")
+        return t, shape
+
     def _local_unique(self, addrs: torch.Tensor):
-        """``(is_local, local_idx, unique_local_idx)``; dedup in O(n) via a claim table."""
-        addrs = addrs.to(self.device, torch.int64).reshape(-1)
+        """``(is_local, local_idx, unique_local_idx)`` of flat ``_addrs`` output; dedup in
+        O(n) via a claim table."""
         is_local, idx = self.placement.local(addrs)
         sel = idx.masked_select(is_local)
         if sel.numel() <= 1:
@@ -324,9 +343,13 @@ class TieredMapping:
         padding / non-owned). Apply ``plan`` (victims demoted to host) before writing the rows.
         """
         self.poll()
+        addrs, shape = self._addrs(addrs, "assign")
         is_local, idx, u = self._local_unique(addrs)
         if u.numel() == 0:
-            return self._slots_out(is_local, idx, addrs.shape), self._empty_plan()
+            return self._slots_out(is_local, idx, shape), self._empty_plan()
+        if self._pending:
+            # Re-assigned entries give their slots back: never while a copy may still use them.
+            self._wait_for(u)
         n = u.numel()
         victims = None
         if n > self.dev.num_free:
@@ -358,21 +381,25 @@ class TieredMapping:
         self.stats.assigned += n
         if k == 0:
             self.policy.touch(free_slots)
-            return self._slots_out(is_local, idx, addrs.shape), self._empty_plan()
+            return self._slots_out(is_local, idx, shape), self._empty_plan()
         self.loc.scatter_(0, late, victims)
         self.policy.touch(torch.cat([free_slots, victims]))
         e = self._empty
         # New entries on victim slots stay PENDING until the demotion has copied the old rows.
         plan = self._new_plan(victims, hdst, e, e, 0, torch.cat([ventries, late]),
                               torch.cat([(HOST << SLOT_BITS) | hdst, victims]))
-        return self._slots_out(is_local, idx, addrs.shape), plan
+        return self._slots_out(is_local, idx, shape), plan
 
     def adopt(self, addrs: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Register unmapped, unique local entries as already resident at the given free
         device slots (their rows were written there by an identity-placement fast path)."""
         self.poll()
-        addrs = addrs.to(self.device, torch.int64).reshape(-1)
-        slots = device_slots.to(self.device, torch.int64).reshape(-1)
+        addrs, _ = self._addrs(addrs, "adopt")
+        slots = torch.as_tensor(device_slots, device=self.device).to(torch.int64).reshape(-1)
+        if slots.numel() != addrs.numel():  # checked before any change: nothing to undo
+            raise ValueError(f"adopt: {addrs.numel()} addresses but {slots.numel()} slots")
+        if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.dev.num_slots):
+            raise ValueError(f"adopt: device slots must lie in [0, {self.dev.num_slots})")
         is_local, idx = self.placement.local(addrs)
         if not bool(is_local.all()):
             raise ValueError("adopt: every address must be local and valid")
@@ -398,6 +425,7 @@ class TieredMapping:
         between smaller calls, as the engine's chunked attention does.
         """
         self.poll()
+        addrs, shape = self._addrs(addrs, "ensure_resident")
         is_local, idx, u = self._local_unique(addrs)
         if self._pending:
             self._wait_for(u)  # hits on rows still being copied in are read only after the copy
@@ -410,7 +438,7 @@ class TieredMapping:
         if m == 0:
             self.stats.lookups += u.numel()
             self.stats.hits += u.numel()
-            return self._slots_out(is_local, idx, addrs.shape), self._empty_plan()
+            return self._slots_out(is_local, idx, shape), self._empty_plan()
         mv = self.loc.index_select(0, miss)
         psrc = mv & SLOT_MASK
         f = min(m, self.dev.num_free)
@@ -430,12 +458,13 @@ class TieredMapping:
         self.stats.promotions += m
         plan = self._new_plan(victims, hdst, psrc, pdst, c, torch.cat([miss, ventries]),
                               torch.cat([pdst, (HOST << SLOT_BITS) | hdst]))
-        return self._slots_out(is_local, idx, addrs.shape), plan
+        return self._slots_out(is_local, idx, shape), plan
 
     def free(self, addrs: torch.Tensor) -> int:
-        """Release entries (device or host); never-assigned addresses are ignored."""
+        """Release entries (device or host); never-assigned addresses (also those past the
+        address space) are ignored."""
         self.poll()
-        _, _, u = self._local_unique(addrs)
+        _, _, u = self._local_unique(self._addrs(addrs, "free", ignore_out_of_range=True)[0])
         if self._pending and u.numel():
             self._wait_for(u)  # a copy in flight may still write their slots: no reuse before
         n = self._release(u) if u.numel() else 0
@@ -449,10 +478,9 @@ class TieredMapping:
     def resolve(self, addrs: torch.Tensor) -> torch.Tensor:
         """Public packed locations (see ``unpack``); in-flight entries read PENDING."""
         self.poll()
-        addrs = addrs.to(self.device, torch.int64)
+        addrs, shape = self._addrs(addrs, "resolve")
         pl = self.placement
-        return K.translate(addrs.reshape(-1), self.visible, pl.owner_rank, pl.stride,
-                           pl.rank).reshape(addrs.shape)
+        return K.translate(addrs, self.visible, pl.owner_rank, pl.stride, pl.rank).reshape(shape)
 
     # ------------------------------------------------------------ ordering rule
     def apply(self, plan: MovePlan, copy_fn: CopyFn) -> MovePlan:

@@ -88,7 +88,21 @@ UNTRACKED = torch.iinfo(IDX).max  # qpos of a slot with no live entry
 # a whole-pool top-k is then one op of a few microseconds, cheaper than a queue window's
 # handful; on CPU, batch 1, the two are even near 7k slots and the queue wins from ~10k in the
 # benchmark's traces).
-SMALL_POOL_SLOTS = int(os.environ.get("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "8192"))
+SMALL_POOL_SLOTS = 8192
+SMALL_POOL_ENV = "ULACACHE_PBLRU_SMALL_POOL_SLOTS"  # overrides SMALL_POOL_SLOTS, read per policy
+
+
+def small_pool_threshold() -> int:
+    """The small-pool threshold in force: ``$ULACACHE_PBLRU_SMALL_POOL_SLOTS`` (read when a
+    policy is built, so a process may change it) or ``SMALL_POOL_SLOTS``."""
+    v = os.environ.get(SMALL_POOL_ENV)
+    if v is None or v.strip() == "":
+        return SMALL_POOL_SLOTS
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{SMALL_POOL_ENV} must be an integer number of slots, got {v!r}") from None
+
 _MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the scan window
 # Scan windows: at least _MIN_WINDOW entries (a wider window costs far less than another
 # round of ~7 ops), else the victims still needed / the estimated live fraction * _OVERSCAN.
@@ -117,7 +131,7 @@ class PBLRU(EvictionPolicy):
         if Q >= UNTRACKED:
             raise ValueError(f"queue_capacity must be < 2^31 (int32 ring indices), got {Q}")
         # The small-pool fast path: same victims (exact LRU), one top-k per selection.
-        small = SMALL_POOL_SLOTS if small_pool_slots is None else small_pool_slots
+        small = small_pool_threshold() if small_pool_slots is None else small_pool_slots
         self._small = TimestampLRU(S, self.device) if S <= small else None
         if self._small is not None:
             S = Q = 0  # the queue is never used

@@ -133,6 +133,22 @@ def _check_params(*, num_steps, batch, topk, overlap, prompt_len, decode_len, pr
         if not ok:
             raise ValueError(f"generate_dsa_trace: {what}")
 
+    def is_int(x):
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    def is_range(r, kind):
+        return (isinstance(r, (tuple, list)) and len(r) == 2
+                and all(isinstance(x, kind) and not isinstance(x, bool) for x in r))
+
+    ints = dict(num_steps=num_steps, batch=batch, topk=topk, block_size=block_size)
+    bad = {k: v for k, v in ints.items() if not is_int(v)}
+    need(not bad and (prefill_chunk is None or is_int(prefill_chunk)),
+         f"num_steps, batch, topk, block_size and prefill_chunk must be integers, got "
+         f"{bad or {'prefill_chunk': prefill_chunk}}")
+    need(is_range(overlap, (int, float)), f"overlap is a range (lo, hi) of numbers, got {overlap!r}")
+    for name, r in (("prompt_len", prompt_len), ("decode_len", decode_len)):
+        need(is_range(r, (int, np.integer)), f"{name} is a range (lo, hi) of integers, got {r!r}")
+
     need(num_steps >= 0 and batch >= 1 and topk >= 1 and block_size >= 1,
          f"num_steps >= 0, batch, topk and block_size >= 1 (got {num_steps}, {batch}, {topk}, "
          f"{block_size})")
@@ -211,7 +227,9 @@ def save_trace(trace: Trace, path: str) -> None:
                 for name, kind, a in (("free", FREE, st.free_addr), ("append", APPEND, st.append_addr),
                                       ("select", SELECT, st.select_addr)):
                     if a.numel():
-                        req = st.select_req.tolist() if kind == SELECT else -1
+                        # Requests per selected address when known, else -1 (as in npz).
+                        known = kind == SELECT and st.select_req.numel() == a.numel()
+                        req = st.select_req.tolist() if known else -1
                         f.write(json.dumps({"step": st.step, "group": st.group, "kind": name,
                                             "req": req, "addr": a.tolist()}) + "\n")
         return
