@@ -91,9 +91,10 @@ IDX = torch.int32
 UNTRACKED = torch.iinfo(IDX).max  # qpos of a slot with no live entry
 # Pools up to this many slots run the exact timestamp scan instead (the small-pool fast path:
 # a whole-pool top-k is then one op of a few microseconds, cheaper than a queue window's
-# handful; on CPU, batch 1, the two are even near 7k slots and the queue wins from ~10k in the
-# benchmark's traces).
-SMALL_POOL_SLOTS = 8192
+# handful. On CPU, batch 1, the two are even near 7k slots with 40-80 % top-k overlap, but with
+# 60-95 % overlap the queue -- whose cost follows the touches, not the pool -- was 0.81-0.97x
+# at ~10k slots: a 16k threshold keeps batch-1 pools on the scan).
+SMALL_POOL_SLOTS = 16384
 SMALL_POOL_ENV = "ULACACHE_PBLRU_SMALL_POOL_SLOTS"  # overrides SMALL_POOL_SLOTS, read per policy
 
 
@@ -182,11 +183,11 @@ class PBLRU(EvictionPolicy):
     def _room(self, n: int) -> int:
         """Make room for ``n`` entries at the tail without splitting them across the ring's end;
         returns the index of the tail. Wrapping pads the ring's end with the dummy slot (stale
-        entries, skipped by the filter). A ring more than half full (a large pool that evicts
-        little, so stale entries pile up behind the head) is compacted incrementally: each
-        push advances a pass by about twice its own size, so the pass ends well before the
-        ring is full and no single step pays an O(ring) compaction. Only a ring that fills
-        anyway is compacted at once."""
+        entries, skipped by the filter). A ring 3/4 full (a large pool that evicts little, so
+        stale entries pile up behind the head) is compacted incrementally: each push advances
+        a pass by 4x its own size (a pass covers at most 3/4 of the ring, so it ends after at
+        most 3/16 of a ring of pushes, before the ring is full) and no single step pays an
+        O(ring) compaction. Only a ring that fills anyway is compacted at once."""
         if self._pass is None and self.tail + n - self._lo() > self.cap * 3 // 4 \
                 and self.cur_start > self.head:
             self._pass = [self.cur_start] * 3
