@@ -31,6 +31,15 @@ def apply() -> None:
             kwargs["additional_config"] = ula_config.merge_into_additional_config(
                 kwargs.get("additional_config"), backend, settings
             )
-        orig_init(self, *args, **kwargs)
+        try:
+            orig_init(self, *args, **kwargs)
+        except Exception as e:
+            # An engine core that refused the ulacache configuration left its message (the
+            # sizes needed and the fix); vLLM itself only says "Engine core initialization
+            # failed".
+            msg = ula_config.take_engine_error() if not isinstance(e, ula_config.KVBackendError) else None
+            if msg:
+                raise ula_config.KVBackendError(msg) from e
+            raise
 
     replace(MODULE, "LLM.__init__", __init__, HOOK)

@@ -79,8 +79,8 @@ from vllm import LLM
 res = {}
 def attempt(key, **kw):
     try:
-        LLM(model=kw.pop("model"), enforce_eager=True, dtype="float32", max_model_len=512,
-            kv_cache_memory_bytes=64 << 20, **kw)
+        LLM(**{**dict(enforce_eager=True, dtype="float32", max_model_len=512,
+                      kv_cache_memory_bytes=64 << 20), **kw})
         res[key] = "no error"
     except Exception as e:
         res[key] = f"{type(e).__name__}: {e}"
@@ -88,6 +88,12 @@ attempt("unknown", model=ARGS["dsa"], kv_backend="bogus")
 attempt("unsupported", model=ARGS["llama"], kv_backend="ulacache")
 attempt("host_small", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib=0.0001)
 attempt("bad_lru", model=ARGS["dsa"], kv_backend="ulacache", ula_lru="fifo")
+# Numbers as strings are read as numbers (here: too small, so the host check names them).
+attempt("host_str", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib="0.0001")
+attempt("bad_bool", model=ARGS["dsa"], kv_backend="ulacache", ula_fast_path="maybe")
+# Found only in the engine core (exact layer specs and budget): the message still comes back.
+attempt("device_small", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib=0.01,
+        kv_cache_memory_bytes=2_000_000)
 emit(res)
 """
 
@@ -104,3 +110,51 @@ def test_clear_errors_from_llm(tiny_model):
     assert "host pool too small" in res["host_small"]
     assert "max_model_len=512" in res["host_small"] and "--ula-host-pool-gib" in res["host_small"]
     assert "fifo" in res["bad_lru"] and "pblru" in res["bad_lru"]
+    assert res["host_str"].startswith("KVBackendError") and "host pool too small" in res["host_str"]
+    assert "ula_fast_path" in res["bad_bool"] and "true or false" in res["bad_bool"]
+    dev = res["device_small"]
+    assert dev.startswith("KVBackendError: ulacache device pool too small"), dev
+    assert "2000000 bytes" in dev and "Raise the KV budget" in dev
+
+
+def test_settings_without_the_backend_warn(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm.ulacache"):
+        ula_config.merge_into_additional_config({}, None, {"host_pool_gib": 1})
+    assert "are ignored" in caplog.text and "--kv-backend ulacache" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.ulacache"):
+        ula_config.merge_into_additional_config({}, "ulacache", {"host_pool_gib": 1})
+    assert "are ignored" not in caplog.text
+
+
+def test_settings_are_coerced_or_named():
+    s = ula_config.UlaSettings.from_dict({"host_pool_gib": "8", "fast_path": "false",
+                                          "lru": "EXACT_TS", "trace_path": None})
+    assert (s.host_pool_gib, s.fast_path, s.lru) == (8.0, False, "exact_ts")
+    assert ula_config.UlaSettings.from_dict({"fast_path": 1}).fast_path is True
+    for bad, match in (({"host_pool_gib": "lots"}, "ula_host_pool_gib .*number of GiB"),
+                       ({"host_pool_gib": True}, "number of GiB"),
+                       ({"host_pool_gib": "nan"}, ">= 0"),
+                       ({"fast_path": "maybe"}, "true or false"),
+                       ({"lru": 3}, "policy name"),
+                       ({"trace_path": 5}, "file path")):
+        with pytest.raises(ula_config.KVBackendError, match=match):
+            ula_config.UlaSettings.from_dict(bad)
+
+
+def test_mtp_draft_layers_count_for_the_host_pool():
+    from types import SimpleNamespace as NS
+
+    from ulacache_vllm.engine.wiring import _draft_kv_layers
+
+    target = NS()
+    draft = NS(hf_text_config=NS(num_nextn_predict_layers=2), get_num_layers=lambda pc: 99)
+    cfg = NS(model_config=target, parallel_config=None,
+             speculative_config=NS(method="mtp", draft_model_config=draft))
+    assert _draft_kv_layers(cfg) == 2
+    cfg.speculative_config = NS(method="ngram", draft_model_config=None)
+    assert _draft_kv_layers(cfg) == 0
+    cfg.speculative_config = None
+    assert _draft_kv_layers(cfg) == 0

@@ -47,9 +47,9 @@ touched, independent of the pool size (small pools take a timestamp scan instead
   moves the live entries of ~4x its own size, in order, next to those already packed, so the
   pass ends before the ring fills; a victim search that reaches the pass's cursor jumps over
   the dead stretch. Only a ring that fills anyway is compacted at once (O(queue)). Before the
-  passes, those one-shot compactions put steps of 28 / 88 / 307 ms into replays at batch
-  32 / 128 / 256 with 75 % pools and 60-95 % top-k overlap (now 2 / 13 / ... ms); before the
-  ring, a linear queue compacted every ~7 S pushes.
+  passes, those one-shot compactions made the slowest replay step 16 / 88 / 307 ms at batch
+  32 / 128 / 256 with 75 % pools and 60-95 % top-k overlap; now 3 / 13 / 25 ms (the exact
+  LRU's: 6 / 16 / 83 ms). Before the ring, a linear queue compacted every ~7 S pushes.
 
 Victim order is exact LRU at touch granularity (oldest touch first, within one touch call in
 slot order: the order of ``ListLRU``), so hit rates match the exact LRU up to tie-breaking.

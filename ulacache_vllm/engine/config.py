@@ -22,6 +22,42 @@ class KVBackendError(ValueError):
     """A bad `--kv-backend` request: the message names the problem and the fix."""
 
 
+# Checks that need the engine core's exact layer specs and KV budget (device pool too small,
+# ...) fail in the engine-core process, whose exception the front end only sees as vLLM's
+# "Engine core initialization failed"; the message travels back through this file (its path
+# is set in the front end before the engine processes start, which inherit it).
+ERROR_FILE_ENV = "ULACACHE_ERROR_FILE"
+
+
+def report_engine_error(err: KVBackendError) -> None:
+    """Engine-core side: leave ``err``'s message for the front end."""
+    import os
+
+    path = os.environ.get(ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(str(err))
+        except OSError:
+            pass  # the engine log still has the message
+
+
+def take_engine_error() -> str | None:
+    """Front-end side: the message an engine core left, if any (read once)."""
+    import os
+
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            msg = f.read().strip()
+        os.unlink(path)
+    except OSError:
+        return None
+    return msg or None
+
+
 @dataclass
 class UlaSettings:
     """ulacache knobs, given as `--ula-*` flags or `LLM(ula_*=...)` keyword arguments."""
@@ -40,10 +76,47 @@ class UlaSettings:
             raise KVBackendError(
                 f"unknown ulacache setting(s) {unknown}; valid settings: {sorted(known)}"
             )
-        return cls(**d)
+        return cls(**{k: _coerce(k, v) for k, v in d.items()})
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """A setting's value in its field's type: numbers and booleans may come as strings (JSON
+    in --additional-config, `LLM(ula_host_pool_gib="8")`); anything else is a KVBackendError
+    naming the setting."""
+    flag = f"ula_{name} (--ula-{name.replace('_', '-')})"
+    if name == "host_pool_gib":
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+        except (TypeError, ValueError):
+            raise KVBackendError(f"{flag} must be a number of GiB, got {value!r}") from None
+        if not out >= 0 or out == float("inf"):
+            raise KVBackendError(f"{flag} must be a finite number of GiB >= 0, got {value!r}")
+        return out
+    if name == "fast_path":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, int) and value in (0, 1):
+            return bool(value)
+        if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+            return value.strip().lower() in _TRUE
+        raise KVBackendError(f"{flag} must be true or false, got {value!r}")
+    if name == "lru":
+        if not isinstance(value, str):
+            raise KVBackendError(f"{flag} must be a policy name, got {value!r}")
+        return value.strip().lower()
+    if name == "trace_path":
+        if value is not None and not isinstance(value, (str, bytes)) and not hasattr(value, "__fspath__"):
+            raise KVBackendError(f"{flag} must be a file path, got {value!r}")
+        return None if value is None else str(value)
+    return value
 
 
 def validate_backend_name(name: Any) -> str:
@@ -80,6 +153,13 @@ def merge_into_additional_config(
         merged.update(settings)
         UlaSettings.from_dict(merged)  # validate early, with a clear message
         out[SETTINGS_KEY] = merged
+        if out.get(ADDITIONAL_CONFIG_KEY, DEFAULT_KV_BACKEND) != "ulacache":
+            import logging
+
+            logging.getLogger("vllm.ulacache").warning(
+                "ulacache settings %s are ignored: the KV backend is %r; add "
+                "--kv-backend ulacache (LLM(kv_backend=\"ulacache\")) to use them",
+                sorted(settings), out.get(ADDITIONAL_CONFIG_KEY, DEFAULT_KV_BACKEND))
     return out
 
 

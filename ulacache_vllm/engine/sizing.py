@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import KVBackendError, UlaSettings
+from .config import KVBackendError, UlaSettings, report_engine_error
 
 GIB = 1 << 30
 
@@ -167,8 +167,12 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
 def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict], available_memory: list[int],
                          settings: UlaSettings):
     """ulacache's replacement for vLLM's `get_kv_cache_configs` (same signature + `orig`)."""
-    layouts = [plan_layout(vllm_config, s, a, settings)
-               for s, a in zip(kv_cache_specs, available_memory)]
+    try:
+        layouts = [plan_layout(vllm_config, s, a, settings)
+                   for s, a in zip(kv_cache_specs, available_memory)]
+    except KVBackendError as e:
+        report_engine_error(e)
+        raise
     layout = min(layouts, key=lambda l: l.num_blocks)
     new_specs = []
     for specs in kv_cache_specs:

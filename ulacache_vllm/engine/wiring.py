@@ -61,6 +61,7 @@ def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
         )
     check_host_pool(vllm_config, settings)
     keep_cpu_core_reservation(vllm_config)
+    set_error_file()
     sc = vllm_config.scheduler_config
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
 
@@ -75,13 +76,37 @@ def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
     mc = vllm_config.model_config
     text = mc.hf_text_config
     head = getattr(text, "kv_lora_rank", 0) + getattr(text, "qk_rope_head_dim", 0)
-    layers = mc.get_num_layers(vllm_config.parallel_config)
+    layers = mc.get_num_layers(vllm_config.parallel_config) + _draft_kv_layers(vllm_config)
     dtype = mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.bfloat16
     per_token = layers * head * torch.empty((), dtype=dtype).element_size()
     if per_token <= 0:
         return
     host_tokens = int(settings.host_pool_gib * GIB) // per_token
     check_host_capacity(settings.host_pool_gib, host_tokens, per_token, layers, mc.max_model_len)
+
+
+def _draft_kv_layers(vllm_config: Any) -> int:
+    """KV layers a speculative draft adds (an MTP module of a DSA model keeps sparse-MLA rows
+    like the target's layers); 0 without a draft model (e.g. n-gram speculation)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+    if draft is None or draft is vllm_config.model_config:
+        return 0
+    n = getattr(draft.hf_text_config, "num_nextn_predict_layers", None)
+    if getattr(spec, "method", None) in ("mtp", "deepseek_mtp") and n:
+        return int(n)
+    return draft.get_num_layers(vllm_config.parallel_config)
+
+
+def set_error_file() -> None:
+    """A fresh path for engine-core errors of this engine (config.report_engine_error)."""
+    import os
+    import tempfile
+
+    from .config import ERROR_FILE_ENV
+
+    os.environ[ERROR_FILE_ENV] = os.path.join(
+        tempfile.gettempdir(), f"ulacache-error-{os.getpid()}-{os.urandom(6).hex()}.txt")
 
 
 def keep_cpu_core_reservation(vllm_config: Any) -> None:
