@@ -215,9 +215,9 @@ class TieredMapping:
         return len(self._pending)
 
     def _addrs(self, addrs, what: str, ignore_out_of_range: bool = False):
-        """``(flat, shape)``: logical addresses as a flat int64 tensor on the mapping's device
-        and their shape; negative values are padding. Addresses past the address space raise ``KeyError`` (or, with
-        ``ignore_out_of_range``, become padding: they were never assigned)."""
+        """``(flat, shape)``: logical addresses as a flat int64 tensor on the mapping's device,
+        and their shape; negative values are padding. Addresses past the address space raise
+        ``KeyError`` (or, with ``ignore_out_of_range``, become padding: never assigned)."""
         t = torch.as_tensor(addrs, device=self.device)
         if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
             raise TypeError(f"{what}: logical addresses must be integers, got {t.dtype}")

@@ -115,7 +115,9 @@ def _coerce(name: str, value: Any) -> Any:
     if name == "trace_path":
         if value is not None and not isinstance(value, (str, bytes)) and not hasattr(value, "__fspath__"):
             raise KVBackendError(f"{flag} must be a file path, got {value!r}")
-        return None if value is None else str(value)
+        import os
+
+        return None if value is None else os.fsdecode(value)
     return value
 
 
