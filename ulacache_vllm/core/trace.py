@@ -26,6 +26,7 @@ requests allowed).
 from __future__ import annotations
 
 import json
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -134,7 +135,7 @@ def _check_params(*, num_steps, batch, topk, overlap, prompt_len, decode_len, pr
             raise ValueError(f"generate_dsa_trace: {what}")
 
     def is_int(x):
-        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+        return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
     def is_range(r, kind):
         return (isinstance(r, (tuple, list)) and len(r) == 2
@@ -145,9 +146,9 @@ def _check_params(*, num_steps, batch, topk, overlap, prompt_len, decode_len, pr
     need(not bad and (prefill_chunk is None or is_int(prefill_chunk)),
          f"num_steps, batch, topk, block_size and prefill_chunk must be integers, got "
          f"{bad or {'prefill_chunk': prefill_chunk}}")
-    need(is_range(overlap, (int, float)), f"overlap is a range (lo, hi) of numbers, got {overlap!r}")
+    need(is_range(overlap, numbers.Real), f"overlap is a range (lo, hi) of numbers, got {overlap!r}")
     for name, r in (("prompt_len", prompt_len), ("decode_len", decode_len)):
-        need(is_range(r, (int, np.integer)), f"{name} is a range (lo, hi) of integers, got {r!r}")
+        need(is_range(r, numbers.Integral), f"{name} is a range (lo, hi) of integers, got {r!r}")
 
     need(num_steps >= 0 and batch >= 1 and topk >= 1 and block_size >= 1,
          f"num_steps >= 0, batch, topk and block_size >= 1 (got {num_steps}, {batch}, {topk}, "
