@@ -1,11 +1,18 @@
 """Admission as packing: the three-step ladder, all-or-nothing per request.
 
 1. reuse in place: holes of the kind's band, then the band end (no copies);
-2. compact the ends: move far pages of each band into its holes (one copy step);
+2. compact the ends: move far pages of each band into its holes (one copy step per pass;
+   passes repeat while they move pages, since a pass's own moves can merge holes that
+   a further pass fills);
 3. relayout: slide every movable page of each band to its base, so all free bytes but those
-   pinned by fences join the middle (ordered copy steps).
-A shortfall is reported only after all three fail; the caller then preempts. Whatever the
-outcome, the returned copy plan must be executed: moves already happened in the tables.
+   pinned by fences join the middle (ordered copy steps); relayout and compaction passes
+   then alternate while they move pages (compaction puts pages from beyond a fenced page
+   into a hole before it, which a slide never does; the next slide closes the gaps).
+At each step the pages are placed by a few greedy packings (largest kinds first into the
+holes nearest the base; largest first best-fit; smallest first), the first that fits wins.
+A shortfall is reported only after all three steps fail; the caller then preempts. A shortfall
+changes nothing: moves tried on the way are rolled back and its copy plan is empty. On
+success the returned copy plan must be executed before the new pages are used.
 """
 
 from __future__ import annotations
@@ -36,23 +43,34 @@ class AdmitResult:
         return self.virtual_page_ids
 
 
+# Passes per ladder step: every move takes a page towards its band's base, so the passes end
+# by themselves; the cap bounds a pathological chain of one-page merges.
+MAX_PASSES = 16
+
+
 def run_ladder(arena: "Arena", demands: dict[int, int]) -> tuple[dict[int, np.ndarray] | None, CopyPlan, str, int]:
     """Place ``demands`` (kind index -> pages). Returns (physical offsets per kind or None,
     copy plan, step, shortfall bytes)."""
     arena.ledger.poll()
-    plan = CopyPlan()
     placed, unplaced = arena._try_place(demands)
     if placed is not None:
-        return placed, plan, REUSE, 0
+        return placed, CopyPlan(), REUSE, 0
     need = sum(n * arena.page_bytes[k] for k, n in demands.items())
     if need > arena.free_bytes:  # nothing short of freeing can help: move nothing
-        return None, plan, SHORTFALL, need - arena.free_bytes
-    plan.extend(arena.compact())
-    placed, unplaced = arena._try_place(demands)
-    if placed is not None:
-        return placed, plan, COMPACT, 0
-    plan.extend(arena.relayout())
-    placed, unplaced = arena._try_place(demands)
-    if placed is not None:
-        return placed, plan, RELAYOUT, 0
-    return None, plan, SHORTFALL, unplaced
+        return None, CopyPlan(), SHORTFALL, need - arena.free_bytes
+    saved = arena._snapshot()
+    plan = CopyPlan()
+    for step, moves in ((COMPACT, (arena.compact,)), (RELAYOUT, (arena.relayout, arena.compact))):
+        for _ in range(MAX_PASSES):
+            moved = False
+            for move in moves:
+                more = move()
+                plan.extend(more)
+                placed, unplaced = arena._try_place(demands)
+                if placed is not None:
+                    return placed, plan, step, 0
+                moved = moved or bool(more)
+            if not moved:
+                break
+    arena._restore(saved)
+    return None, CopyPlan(), SHORTFALL, unplaced

@@ -8,6 +8,8 @@ move comes back as a :class:`~.copy_plan.CopyPlan`. The arena never touches the 
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Hashable, Mapping
 from typing import Callable
 
@@ -19,15 +21,32 @@ from .copy_plan import CopyPlan
 from .free_space import FreeSpace
 from .kinds import Band, KindSpec
 from .ledger import Fence, Ledger
-from .virtual_ids import VirtualIds
+from .virtual_ids import VirtualIds, as_ids
+
+def _count(value, what: str) -> int:
+    """``value`` as an int if it is an integer (numpy ones too), else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{what} must be an integer, got {value!r}")
+    return int(value)
+
 
 class Arena:
+    """``alignment``: page sizes and offsets are multiples of it, raised if need be to a
+    multiple of the largest row item size, so every row can be viewed as its dtype."""
+
     def __init__(self, total_bytes: int, kinds: list[KindSpec], *, alignment: int = 256) -> None:
+        total_bytes, alignment = _count(total_bytes, "total_bytes"), _count(alignment, "alignment")
         if alignment <= 0:
             raise ValueError("alignment must be positive")
+        if total_bytes < 0:
+            raise ValueError(f"total_bytes must be >= 0, got {total_bytes}")
+        kinds = list(kinds)
+        if not all(isinstance(k, KindSpec) for k in kinds):
+            raise ValueError("kinds must be KindSpec objects")
         names = [k.name for k in kinds]
         if len(set(names)) != len(names) or not kinds:
             raise ValueError(f"kinds must be non-empty with unique names: {names}")
+        alignment = math.lcm(alignment, *(k.itemsize for k in kinds))
         self.alignment = alignment
         self.total_bytes = total_bytes // alignment * alignment
         self.kinds = list(kinds)
@@ -122,7 +141,7 @@ class Arena:
         """Add ``n`` pages of ``kind`` to an admitted request (all or nothing)."""
         held = self._requests[request_id]
         k = self.kind_index(kind)
-        res = self._ladder({k: int(n)})
+        res = self._ladder(self._demands({kind: n}))
         if res.ok:
             held.setdefault(k, []).extend(self._by_index(res).get(k, np.zeros(0, np.int64)).tolist())
             self.stats["grown"] += 1
@@ -131,7 +150,7 @@ class Arena:
     def shrink(self, request_id: Hashable, kind, vids) -> None:
         """Release some pages of a request (e.g. window pages that slid out of the window)."""
         held = self._requests[request_id].setdefault(self.kind_index(kind), [])
-        drop = set(np.asarray(vids, dtype=np.int64).tolist())
+        drop = set(as_ids(vids).ravel().tolist())
         if not drop <= set(held):
             raise KeyError(f"request {request_id!r} does not hold {sorted(drop - set(held))[:8]}")
         held[:] = [v for v in held if v not in drop]
@@ -220,20 +239,36 @@ class Arena:
     def _demands(self, demands: Mapping) -> dict[int, int]:
         dem: dict[int, int] = {}
         for k, n in demands.items():
-            if int(n) < 0:
+            n = _count(n, f"the demand for {k!r}")
+            if n < 0:
                 raise ValueError(f"negative demand for {k!r}")
-            dem[self.kind_index(k)] = dem.get(self.kind_index(k), 0) + int(n)
+            dem[self.kind_index(k)] = dem.get(self.kind_index(k), 0) + n
         return dem
 
     def _try_place(self, demands: dict[int, int]) -> tuple[dict[int, np.ndarray] | None, int]:
+        """Place every demanded page without moving any, all or nothing: the first of a few
+        greedy packings that fits (packing pages of several sizes into holes is bin packing;
+        one greedy order misses fits another finds). Returns (offsets per kind, 0) or (None,
+        bytes the first packing left unplaced)."""
+        first_unplaced = None
+        for largest_first, best_fit in _PACKINGS:
+            placed, unplaced = self._place_with(demands, largest_first, best_fit)
+            if placed is not None:
+                return placed, 0
+            if first_unplaced is None:
+                first_unplaced = unplaced
+        return None, first_unplaced
+
+    def _place_with(self, demands: dict[int, int], largest_first: bool, best_fit: bool):
         done: list[tuple[int, int, Band]] = []
         placed: dict[int, np.ndarray] = {}
         for band in (Band.LOW, Band.HIGH):
-            for k in self._band_kinds(band):
+            kinds = self._band_kinds(band)
+            for k in (kinds if largest_first else kinds[::-1]):
                 n = demands.get(k, 0)
                 if not n:
                     continue
-                got = bands.place(self._space, band, n, self.page_bytes[k])
+                got = bands.place(self._space, band, n, self.page_bytes[k], best_fit)
                 if got is None:
                     for start, nbytes, b in reversed(done):
                         self._space.add(start, nbytes)
@@ -244,6 +279,14 @@ class Arena:
                 done.extend((s, nb, band) for s, nb in taken)
                 placed[k] = np.concatenate(offs)
         return placed, 0
+
+    def _snapshot(self):
+        """The tables a move changes (free space, v2p / p2v, stats), to undo a failed ladder.
+        The ledger is not among them: moves never touch fenced pages or withheld bytes."""
+        return _clone(self._space), _clone(self._ids), dict(self.stats)
+
+    def _restore(self, saved) -> None:
+        self._space, self._ids, self.stats = saved
 
     def _ladder(self, dem: dict[int, int]) -> AdmitResult:
         placed, plan, step, shortfall = run_ladder(self, dem)
@@ -280,6 +323,20 @@ class Arena:
             self.stats[counter] += 1
             self.stats["bytes_copied"] += plan.nbytes
             self.stats["pages_moved"] += len(plan)
+
+
+# Greedy packings ``_try_place`` tries in turn, as (largest kinds first, best-fit holes): the
+# default fills the holes nearest each band's base; best-fit takes the smallest hole (or the
+# middle) that holds a kind's pages; smallest-first leaves the big holes to small pages.
+_PACKINGS = ((True, False), (True, True), (False, False))
+
+
+def _clone(obj):
+    """A copy of an object whose attributes are ints and flat containers (lists, dicts, numpy
+    arrays of ints): one level of copying is a full copy, far cheaper than ``deepcopy``."""
+    new = object.__new__(type(obj))
+    new.__dict__ = {k: v.copy() if hasattr(v, "copy") else v for k, v in obj.__dict__.items()}
+    return new
 
 
 def _zip_longest(a: list, b: list):

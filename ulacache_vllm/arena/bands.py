@@ -19,34 +19,43 @@ def to_band(band: Band, total: int, offsets, sizes):
     return offsets if band is Band.LOW else total - offsets - np.asarray(sizes, dtype=np.int64)
 
 
-def place(free: FreeSpace, band: Band, n: int, size: int) -> tuple[list[np.ndarray], list[tuple[int, int]]] | None:
+def place(free: FreeSpace, band: Band, n: int, size: int, best_fit: bool = False,
+          ) -> tuple[list[np.ndarray], list[tuple[int, int]]] | None:
     """Take ``n`` pages of ``size`` bytes for ``band``: holes nearest the base first, then the
-    band end. Returns (offset arrays, removed extents) or None, leaving ``free`` untouched."""
+    band end; with ``best_fit``, the smallest of the holes and the middle that holds pages
+    first. Returns (offset arrays, removed extents) or None, leaving ``free`` untouched."""
     if n == 0:
         return [], []
     taken: list[tuple[int, int]] = []
     out: list[np.ndarray] = []
     left = n
-    for a, b in free.holes(band):
-        k = min(left, (b - a) // size)
-        if k == 0:
-            continue
-        start = a if band is Band.LOW else b - k * size
+    holes: list = list(free.holes(band))
+    if best_fit:
+        holes.append(None)  # the middle, at the band end
+        holes.sort(key=lambda h: free.middle if h is None else h[1] - h[0])
+    else:
+        holes.append(None)
+    for h in holes:
+        if h is None:  # the band end: pages extend the band into the middle
+            k = min(left, free.middle // size)
+            if k == 0:
+                continue
+            start = free.low_top if band is Band.LOW else free.high_bottom - k * size
+            a, b = start, start + k * size
+        else:
+            a, b = h
+            k = min(left, (b - a) // size)
+            if k == 0:
+                continue
+            start = a if band is Band.LOW else b - k * size
         free.remove(start, k * size, band)
         taken.append((start, k * size))
         # Pages nearest the base come first so a band's pages stay ordered by distance from it.
         out.append(start + size * np.arange(k, dtype=np.int64) if band is Band.LOW
-                   else b - size * np.arange(1, k + 1, dtype=np.int64))
+                   else start + k * size - size * np.arange(1, k + 1, dtype=np.int64))
         left -= k
         if left == 0:
             return out, taken
-    if left * size <= free.middle:
-        start = free.low_top if band is Band.LOW else free.high_bottom - left * size
-        free.remove(start, left * size, band)
-        taken.append((start, left * size))
-        out.append(start + size * np.arange(left, dtype=np.int64) if band is Band.LOW
-                   else start + left * size - size * np.arange(1, left + 1, dtype=np.int64))
-        return out, taken
     for start, nbytes in reversed(taken):
         free.add(start, nbytes)
     return None

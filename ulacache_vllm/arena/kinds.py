@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 
 _DTYPE_BYTES = {
@@ -43,6 +44,13 @@ class RowSpec:
     shape: tuple[int, ...]
     dtype: str = "bfloat16"
 
+    def __post_init__(self) -> None:
+        shape = (self.shape,) if isinstance(self.shape, numbers.Integral) else tuple(self.shape)
+        if any(not isinstance(d, numbers.Integral) or isinstance(d, bool) or d < 0 for d in shape):
+            raise ValueError(f"row {self.name!r}: shape must be non-negative integers, got {self.shape!r}")
+        object.__setattr__(self, "shape", tuple(int(d) for d in shape))
+        dtype_bytes(self.dtype)  # an unknown dtype fails here, not at first use
+
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * dtype_bytes(self.dtype)
@@ -66,8 +74,15 @@ class KindSpec:
     def __post_init__(self) -> None:
         if not self.rows:
             raise ValueError(f"kind {self.name!r} has no rows")
-        if self.entries_per_page < 1:
-            raise ValueError("entries_per_page must be >= 1")
+        try:  # Band("low") / Band("high") are accepted as well as the enum
+            object.__setattr__(self, "band", Band(self.band))
+        except ValueError:
+            raise ValueError(f"kind {self.name!r}: band must be Band.LOW or Band.HIGH "
+                             f"('low' / 'high'), got {self.band!r}") from None
+        object.__setattr__(self, "rows", tuple(self.rows))
+        if not isinstance(self.entries_per_page, numbers.Integral) or self.entries_per_page < 1:
+            raise ValueError(f"kind {self.name!r}: entries_per_page must be an integer >= 1, "
+                             f"got {self.entries_per_page!r}")
         offs, off, align = [], 0, 1
         for row in self.rows:
             # Each row starts at a multiple of its own item size so it can be viewed as its dtype.
@@ -75,8 +90,15 @@ class KindSpec:
             offs.append(off)
             off += row.nbytes
             align = max(align, row.itemsize)
+        if off == 0:  # zero-byte pages would all share one offset
+            raise ValueError(f"kind {self.name!r}: its rows hold no bytes")
         object.__setattr__(self, "row_offsets", tuple(offs))
         object.__setattr__(self, "entry_bytes", -(-off // align) * align)
+
+    @property
+    def itemsize(self) -> int:
+        """The largest item size of its rows: page starts must be multiples of it."""
+        return max(r.itemsize for r in self.rows)
 
     @property
     def natural_page_bytes(self) -> int:
@@ -106,6 +128,8 @@ def attention_kind(name: str, band: Band, num_layers: int, num_kv_heads: int, he
 def state_kind(name: str, num_layers: int, shapes: tuple[tuple[int, ...], ...],
                dtypes: tuple[str, ...]) -> KindSpec:
     """Recurrent (mamba/GDN) state: one entry per request holding every layer's state tensors."""
+    if len(shapes) != len(dtypes):
+        raise ValueError(f"state kind {name!r}: {len(shapes)} shapes but {len(dtypes)} dtypes")
     rows = tuple(RowSpec(f"layer{i}.s{j}", shape, dt)
                  for i in range(num_layers) for j, (shape, dt) in enumerate(zip(shapes, dtypes)))
     return KindSpec(name, Band.LOW, rows, 1)

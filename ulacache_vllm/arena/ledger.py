@@ -52,6 +52,9 @@ class Ledger:
 
     def register(self, phys_pages, fence: Fence) -> None:
         """Record that ``fence``'s user reads or writes the live pages at these byte offsets."""
+        if not isinstance(fence, Fence) or fence._ledger is not self:
+            # Another ledger's fence would complete there and never release these bytes.
+            raise ValueError(f"{fence!r} was not made by this arena's ledger: use arena.fence()")
         if fence.passed:
             return
         offs = [int(p) for p in np.asarray(phys_pages, dtype=np.int64).ravel()]

@@ -11,6 +11,14 @@ import numpy as np
 UNMAPPED = -1
 
 
+def as_ids(ids) -> np.ndarray:
+    """Ids (virtual page ids, byte offsets) as int64; non-integers are refused, not truncated."""
+    arr = np.asarray(ids)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"ids must be integers, got {arr.dtype} values {arr.ravel()[:8].tolist()}")
+    return arr.astype(np.int64, copy=False)
+
+
 class VirtualIds:
     def __init__(self, capacity: int = 1024) -> None:
         self._v2p = np.full(capacity, UNMAPPED, dtype=np.int64)
@@ -60,7 +68,7 @@ class VirtualIds:
         self._v2p[vids] = new_offsets
 
     def v2p(self, vids) -> np.ndarray:
-        vids = np.asarray(vids, dtype=np.int64)
+        vids = as_ids(vids)
         if vids.size and (vids.min() < 0 or vids.max() >= len(self._v2p)):
             raise KeyError("virtual page id out of range")
         offs = self._v2p[vids]
@@ -69,10 +77,10 @@ class VirtualIds:
         return offs
 
     def p2v(self, offsets) -> np.ndarray:
-        return np.array([self._p2v[int(p)] for p in np.asarray(offsets).ravel()], dtype=np.int64)
+        return np.array([self._p2v[int(p)] for p in as_ids(offsets).ravel()], dtype=np.int64)
 
     def kind_of(self, vids) -> np.ndarray:
-        return self._kind[np.asarray(vids, dtype=np.int64)]
+        return self._kind[as_ids(vids)]
 
     def live(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(vids, offsets, kind index) of every mapped page."""
