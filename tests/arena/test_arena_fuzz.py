@@ -41,7 +41,9 @@ class ArenaMachine(RuleBasedStateMachine):
     # -- helpers --------------------------------------------------------------------------------
     def _after(self, res, demands: dict[int, int]) -> None:
         a = self.arena
-        self.shadow.apply(res.copy_plan)  # plans run even when admission fails
+        if not res.ok:  # a shortfall changes nothing: no moves, no plan
+            assert not res.copy_plan
+        self.shadow.apply(res.copy_plan)
         event(f"ladder step: {res.step}")
         if len(res.copy_plan.steps) > 1:
             event("multi-step copy plan")
