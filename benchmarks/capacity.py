@@ -9,10 +9,12 @@ measured side by side in one run, each in its own engine process:
 
 Reports the peak number of simultaneously running requests, output tokens/s, mean decode-step
 time at equal batch size, and batch-1 TPOT with everything on the device (ulacache's fast
-path) against stock. Prints a table, writes JSON + a plot to benchmarks/results/.
+path) against stock. Prints a table, writes JSON + a plot (``capacity[_quick].{json,png}``)
+into ``--out`` (a directory, default benchmarks/results/).
 
     python benchmarks/capacity.py --quick
-    python benchmarks/capacity.py --model /path/to/dsa-model --device-gib 8 --host-gib 32
+    python benchmarks/capacity.py --model /path/to/dsa-model --device-bytes 8589934592 \
+        --host-bytes 34359738368
 """
 from __future__ import annotations
 
@@ -72,6 +74,8 @@ def _worker(cfg: dict) -> dict:
     res = {"name": cfg["name"]}
     prompts = [prompt(i, cfg["prompt_tokens"]) for i in range(cfg["num_requests"])]
     load = run(prompts, cfg["output_tokens"])
+    if cfg["backend"] == "ulacache":  # before the equal-batch and TPOT runs add their own
+        res["load_tiers"] = llm.collective_rpc("ulacache_usage")[0]["totals"]
     res["peak_running"] = load["peak_running"]
     res["output_tok_s"] = cfg["num_requests"] * cfg["output_tokens"] / load["wall_s"]
     # Decode-step time at each batch size seen (steps that ran a prefill excluded).
@@ -131,7 +135,7 @@ def main() -> None:
     ap.add_argument("--eq-batch", type=int, default=4, help="batch for the equal-batch step time")
     ap.add_argument("--eq-prompt-tokens", type=int, default=256)
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(RESULTS / "capacity"))
+    ap.add_argument("--out", default=str(RESULTS), help="directory for the JSON and the plot")
     args = ap.parse_args()
     if args.worker:
         res = _worker(json.loads(args.worker))
@@ -176,8 +180,8 @@ def main() -> None:
     print("decode step ms at equal batch size seen in the load (stock-D vs ulacache):")
     for b, v in summary["step_ms_equal_batch"].items():
         print(f"  batch {b:>3}: {v['stock-D']:.2f} vs {v['ulacache']:.2f}")
-    print("tier traffic during the load (ulacache):", ula.get("usage", {}).get("totals"))
-    out = Path(args.out + ("_quick" if args.quick else ""))
+    print("tier traffic during the load (ulacache):", ula.get("load_tiers"))
+    out = Path(args.out) / ("capacity_quick" if args.quick else "capacity")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
         {"args": vars(args), "results": results, "summary": summary}, indent=2, default=str))

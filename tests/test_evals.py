@@ -13,10 +13,15 @@ def test_lm_eval_consistency_ulacache_vs_stock(tiny_model):
     from consistency import compare
 
     model = tiny_model("deepseek_v32")
-    rep = compare(str(model), limit=4, task="ulacache_arith", num_fewshot=4,
-                  ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=11000000",
+    # 8 four-shot prompts of ~340 tokens outgrow the ~2k device slots this budget leaves.
+    rep = compare(str(model), limit=8, task="ulacache_arith", num_fewshot=4,
+                  ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
                   ref_args="kv_cache_memory_bytes=268435456")
-    assert rep["num_docs"] == 4
-    assert rep["stock"]["sample_len"] == rep["ulacache"]["sample_len"] == 4
+    # Random weights may stop a generation at once ("\n\n"), but most are real text.
+    assert rep["num_docs"] == 8 and rep["nonempty_generations"] >= 4
+    assert rep["stock"]["sample_len"] == rep["ulacache"]["sample_len"] == 8
+    # The comparison covered the tiered path: rows went to the host and came back.
+    assert rep["host_tier_used"], rep["ulacache_tiers"]
+    assert rep["ulacache_tiers"]["demotions"] > 0 and rep["ulacache_tiers"]["promotions"] > 0
     assert rep["scores_equal"], rep
     assert rep["generations_identical"], rep

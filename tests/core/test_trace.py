@@ -174,3 +174,38 @@ def test_roundtrip_of_a_hand_made_trace_without_requests(tmp_path, suffix):
     st = back.steps[0]
     assert st.select_addr.tolist() == [1, 2] and st.append_addr.tolist() == [1, 2]
     assert st.select_req.tolist() in ([], [-1, -1])
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_loaded_demand_counts_distinct_entries_per_group(tmp_path):
+    # Eight addresses, each selected by four requests: one round needs 8 device slots, not 32.
+    rows = [{"step": 0, "kind": "append", "req": 0, "addr": list(range(8))},
+            {"step": 1, "kind": "select", "req": [r for r in range(4) for _ in range(8)],
+             "addr": list(range(8)) * 4},
+            # group 1 has its own pool: its 3 live selected entries are not added to group 0's
+            {"step": 1, "group": 1, "kind": "append", "req": 0, "addr": [0, 1, 2]},
+            {"step": 2, "group": 1, "kind": "select", "req": 0, "addr": [0, 1, 2]}]
+    t = load_trace(_write_jsonl(tmp_path / "dups.jsonl", rows))
+    assert t.num_logical == 8 and t.peak_demand == 8 and t.working_set == 8
+
+
+def test_loader_takes_sparse_huge_addresses(tmp_path):
+    rows = [{"step": 0, "kind": "append", "req": 0, "addr": [0, 2**40]},
+            {"step": 1, "kind": "select", "req": 0, "addr": [2**40]}]
+    t = load_trace(_write_jsonl(tmp_path / "sparse.jsonl", rows))
+    assert t.num_logical == 2**40 + 1 and t.working_set == 1 and t.peak_demand == 2
+
+
+def test_generator_seed_types_and_json_meta():
+    kw = dict(num_steps=2, topk=2, prompt_len=(2, 4), decode_len=(1, 2))
+    a = generate_dsa_trace(batch=np.int64(1), seed=np.int64(3), **kw)
+    b = generate_dsa_trace(batch=1, seed=3, **kw)
+    assert all(torch.equal(x.select_addr, y.select_addr) for x, y in zip(a.steps, b.steps))
+    assert json.loads(json.dumps(a.meta)) == {"batch": 1, "topk": 2, "overlap": [0.6, 0.95], "seed": 3}
+    for bad in (3.0, None, "3", -1):
+        with pytest.raises(ValueError, match="seed"):
+            generate_dsa_trace(batch=1, seed=bad, **kw)

@@ -76,7 +76,9 @@ def generate_dsa_trace(*, num_steps: int = 128, batch: int = 8, topk: int = 256,
     """
     _check_params(num_steps=num_steps, batch=batch, topk=topk, overlap=overlap,
                   prompt_len=prompt_len, decode_len=decode_len, prefill_chunk=prefill_chunk,
-                  recency_mix=recency_mix, recency_scale=recency_scale, block_size=block_size)
+                  recency_mix=recency_mix, recency_scale=recency_scale, block_size=block_size,
+                  seed=seed)
+    seed = int(seed)
     g = torch.Generator().manual_seed(seed)
     rnd = np.random.default_rng(seed)
     chunk = prefill_chunk or topk
@@ -125,11 +127,12 @@ def generate_dsa_trace(*, num_steps: int = 128, batch: int = 8, topk: int = 256,
         ws_peak = max(ws_peak, sum(int(st["ever"].sum()) for st in live.values()))
         demand_peak = max(demand_peak, step.select_addr.numel() + step.append_addr.numel())
     return Trace(steps, space.num_logical, ws_peak, demand_peak,
-                 dict(batch=batch, topk=topk, overlap=overlap, seed=seed))
+                 dict(batch=int(batch), topk=int(topk), overlap=tuple(float(x) for x in overlap),
+                      seed=int(seed)))
 
 
 def _check_params(*, num_steps, batch, topk, overlap, prompt_len, decode_len, prefill_chunk,
-                  recency_mix, recency_scale, block_size) -> None:
+                  recency_mix, recency_scale, block_size, seed) -> None:
     def need(ok, what):
         if not ok:
             raise ValueError(f"generate_dsa_trace: {what}")
@@ -141,11 +144,12 @@ def _check_params(*, num_steps, batch, topk, overlap, prompt_len, decode_len, pr
         return (isinstance(r, (tuple, list)) and len(r) == 2
                 and all(isinstance(x, kind) and not isinstance(x, bool) for x in r))
 
-    ints = dict(num_steps=num_steps, batch=batch, topk=topk, block_size=block_size)
+    ints = dict(num_steps=num_steps, batch=batch, topk=topk, block_size=block_size, seed=seed)
     bad = {k: v for k, v in ints.items() if not is_int(v)}
     need(not bad and (prefill_chunk is None or is_int(prefill_chunk)),
-         f"num_steps, batch, topk, block_size and prefill_chunk must be integers, got "
+         f"num_steps, batch, topk, block_size, seed and prefill_chunk must be integers, got "
          f"{bad or {'prefill_chunk': prefill_chunk}}")
+    need(0 <= seed < 2**63, f"seed must be in [0, 2**63), got {seed}")
     need(is_range(overlap, numbers.Real), f"overlap is a range (lo, hi) of numbers, got {overlap!r}")
     for name, r in (("prompt_len", prompt_len), ("decode_len", decode_len)):
         need(is_range(r, numbers.Integral), f"{name} is a range (lo, hi) of integers, got {r!r}")
@@ -369,23 +373,32 @@ def load_trace(path: str) -> Trace:
         num_logical = top
     elif top > num_logical:
         raise ValueError(f"{path}: address {top - 1} is outside num_logical={num_logical}")
-    demand = max((s.select_addr.numel() + s.append_addr.numel() for s in steps), default=0)
+    # One round of one layer group needs its distinct selected and appended entries on the
+    # device (requests may select the same address; the mapping dedups them).
+    demand = max((torch.unique(torch.cat([s.select_addr, s.append_addr])).numel() for s in steps),
+                 default=0)
     return Trace(steps, num_logical, working_set=_working_set(steps), peak_demand=demand)
 
 
 def _working_set(steps) -> int:
-    """Peak count of live (appended, not freed) addresses that have been selected."""
+    """Peak over steps of the live (appended, not freed) addresses that have been selected,
+    per layer group (each group has its own pool), the largest group's."""
     if not steps:
         return 0
-    n = max(int(torch.cat([s.append_addr, s.select_addr, s.free_addr, torch.zeros(1, dtype=torch.int64)]).max())
-            for s in steps) + 1
-    live_sel = torch.zeros(n, dtype=torch.bool)
+    # Dense ids for the addresses in use: a recorded trace may hold a few huge addresses.
+    allv = torch.cat([torch.cat([s.append_addr, s.select_addr, s.free_addr]) for s in steps])
+    uniq = torch.unique(allv)
+    groups = sorted({s.group for s in steps})
+    live = {g: torch.zeros(uniq.numel(), dtype=torch.bool) for g in groups}
+    count = dict.fromkeys(groups, 0)
     peak = 0
     for s in steps:
-        live_sel[s.free_addr] = False
-        live_sel[s.append_addr] = False
-        live_sel[s.select_addr] = True
-        peak = max(peak, int(live_sel.sum()))
+        ls = live[s.group]
+        for addrs, val in ((s.free_addr, False), (s.append_addr, False), (s.select_addr, True)):
+            if addrs.numel():
+                ls[torch.searchsorted(uniq, addrs)] = val
+        count[s.group] = int(ls.sum())
+        peak = max(peak, count[s.group])
     return peak
 
 
