@@ -9,6 +9,11 @@ what the documents need at once, as in the example). Tasks:
 - `gsm8k` (lm-eval's own task) when the GSM8K data is available to `datasets` offline;
 - `ulacache_arith` otherwise: a GSM8K-format task over self-written word problems in
   `evals/fixtures/` (same prompt/answer/filter shape as GSM8K).
+- `--task lexsum`: long-document summarization scored with ROUGE-1/2/L: `multi_lexsum` (the
+  real Multi-LexSum, several long case documents per summary) when its data is available
+  offline, else `ulacache_lexsum` over self-written cases of the same shape (~800-token
+  sources; `evals/fixtures/make_lexsum_cases.py`). Zero-shot (`--num-fewshot 0`).
+- any other lm-eval task name is passed through.
 
     python evals/consistency.py --model MODEL --limit 8 --require-host-tier \
         --ula-args ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000 \
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,22 +78,89 @@ metadata:
 """
 
 
+LEXSUM_COMMON = """\
+output_type: generate_until
+doc_to_text: !function lexsum_task.doc_to_text
+doc_to_target: !function lexsum_task.doc_to_target
+process_results: !function lexsum_task.process_results
+generation_kwargs:
+  until: ["\\n\\n"]
+  do_sample: false
+  max_gen_toks: {max_gen}
+metric_list:
+  - metric: rouge1
+    aggregation: mean
+    higher_is_better: true
+  - metric: rouge2
+    aggregation: mean
+    higher_is_better: true
+  - metric: rougeL
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+"""
+# The real data (long federal civil-rights case documents) when available offline.
+MULTI_LEXSUM_TASK = """\
+task: multi_lexsum
+dataset_path: allenai/multi_lexsum
+dataset_name: v20230518
+test_split: test
+""" + LEXSUM_COMMON
+LEXSUM_TASK = """\
+task: ulacache_lexsum
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+""" + LEXSUM_COMMON
+LEXSUM_FIXTURE = HERE / "fixtures" / "lexsum_cases.jsonl"
+
+
 def write_task(dirpath: Path, max_gen: int) -> str:
+    """Write the task yamls (and the summarization task's functions) into ``dirpath``, an
+    lm-eval ``--include_path``."""
     dirpath.mkdir(parents=True, exist_ok=True)
     (dirpath / "ulacache_arith.yaml").write_text(ARITH_TASK.format(data=FIXTURE, max_gen=max_gen))
+    (dirpath / "ulacache_lexsum.yaml").write_text(
+        LEXSUM_TASK.format(data=LEXSUM_FIXTURE, max_gen=max_gen))
+    (dirpath / "multi_lexsum.yaml").write_text(MULTI_LEXSUM_TASK.format(max_gen=max_gen))
+    shutil.copy(HERE / "lexsum_task.py", dirpath / "lexsum_task.py")
     return str(dirpath)
 
 
-def gsm8k_available() -> bool:
+def dataset_available(path: str, name: str) -> bool:
+    """Whether ``datasets`` can load this dataset offline (cached); no download is tried."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     try:
         import datasets
 
-        datasets.load_dataset("gsm8k", "main", split="test[:1]")
+        datasets.load_dataset(path, name, split="test[:1]")
         return True
     except Exception:
         return False
+
+
+def gsm8k_available() -> bool:
+    return dataset_available("gsm8k", "main")
+
+
+# --task aliases: the real dataset's lm-eval task when its data is cached, else our fixture task.
+TASKS = {"gsm8k": (("gsm8k", "main"), "gsm8k", "ulacache_arith"),
+         "lexsum": (("allenai/multi_lexsum", "v20230518"), "multi_lexsum", "ulacache_lexsum")}
+
+
+FEWSHOT = {"gsm8k": 4, "ulacache_arith": 4, "multi_lexsum": 0, "ulacache_lexsum": 0}
+
+
+def resolve_task(task: str | None) -> str:
+    task = task or "gsm8k"
+    if task not in TASKS:
+        return task
+    real, name, fixture = TASKS[task]
+    return name if dataset_available(*real) else fixture
 
 
 def run_lm_eval(model: str, backend: str, extra: str, task: str, include: str, limit: int,
@@ -156,18 +229,21 @@ def _nonempty(resps) -> bool:
 
 def compare(model: str, *, limit: int = 8, ula_args: str = "", ref_args: str = "",
             task: str | None = None, dtype: str = "float32", max_gen: int = 48,
-            num_fewshot: int = 4) -> dict:
+            num_fewshot: int | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ulacache_evals_") as td:
         td = Path(td)
         include = write_task(td / "tasks", max_gen)
-        task = task or ("gsm8k" if gsm8k_available() else "ulacache_arith")
+        task = resolve_task(task)
+        if num_fewshot is None:
+            num_fewshot = FEWSHOT.get(task, 0)
         ref = run_lm_eval(model, "vllm", ref_args, task, include, limit, td / "ref", dtype,
                           num_fewshot)
         ula = run_lm_eval(model, "ulacache", ula_args, task, include, limit, td / "ula", dtype,
                           num_fewshot)
     same = ref["generations"] == ula["generations"]
     tiers = ula["tiers"]
-    return {"task": task, "limit": limit, "stock": ref["scores"], "ulacache": ula["scores"],
+    return {"task": task, "limit": limit, "num_fewshot": num_fewshot,
+            "stock": ref["scores"], "ulacache": ula["scores"],
             "scores_equal": ref["scores"] == ula["scores"], "generations_identical": same,
             "num_docs": len(ref["generations"]),
             "nonempty_generations": sum(map(_nonempty, ula["generations"].values())),
@@ -181,9 +257,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
     ap.add_argument("--limit", type=int, default=8)
-    ap.add_argument("--task", default=None)
+    ap.add_argument("--task", default=None,
+                    help="gsm8k (default), lexsum, or any lm-eval task name")
     ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--num-fewshot", type=int, default=4)
+    ap.add_argument("--num-fewshot", type=int, default=None,
+                    help="default: 4 for the GSM8K tasks, 0 for the summarization ones")
     ap.add_argument("--ula-args", default="", help="extra model_args for the ulacache run")
     ap.add_argument("--ref-args", default="", help="extra model_args for the stock run")
     ap.add_argument("--require-host-tier", action="store_true",

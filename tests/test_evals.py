@@ -25,3 +25,20 @@ def test_lm_eval_consistency_ulacache_vs_stock(tiny_model):
     assert rep["ulacache_tiers"]["demotions"] > 0 and rep["ulacache_tiers"]["promotions"] > 0
     assert rep["scores_equal"], rep
     assert rep["generations_identical"], rep
+
+
+def test_lm_eval_long_document_summaries_match_through_the_host_tier(tiny_model):
+    """Multi-LexSum-shaped summarization (self-written ~800-token cases, ROUGE through a
+    task function): six zero-shot prompts need ~5k rows against ~2k device slots."""
+    from consistency import compare
+
+    model = tiny_model("deepseek_v32")
+    rep = compare(str(model), limit=6, task="lexsum",
+                  ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
+                  ref_args="kv_cache_memory_bytes=268435456")
+    assert rep["task"] in ("ulacache_lexsum", "multi_lexsum") and rep["num_fewshot"] == 0
+    assert rep["num_docs"] == 6 and rep["nonempty_generations"] >= 3
+    assert {"rouge1,none", "rougeL,none"} <= set(rep["stock"])
+    assert rep["ulacache_tiers"]["demotions"] > 0 and rep["ulacache_tiers"]["promotions"] > 0
+    assert rep["scores_equal"], rep
+    assert rep["generations_identical"], rep
