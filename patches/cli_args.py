@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from ulacache_vllm.core.mapping import POLICIES
 from ulacache_vllm.engine import config as ula_config
 
 from ._hook import replace
@@ -15,16 +16,21 @@ from ._hook import replace
 HOOK = "cli_args"
 MODULE = "vllm.engine.arg_utils"
 
+# setting -> (flag, type, choices, help)
 _SETTING_FLAGS = {
-    "host_pool_gib": ("--ula-host-pool-gib", float,
+    "host_pool_gib": ("--ula-host-pool-gib", float, None,
                       "ulacache: host-memory pool for sparse-MLA KV rows, in GiB (exclusive "
                       "tier beside the device pool; default 4)."),
-    "lru": ("--ula-lru", str,
+    "lru": ("--ula-lru", str, list(POLICIES),
             "ulacache: device-pool victim policy: pblru (default), pblru_bitmap, exact_ts, "
             "exact_list."),
-    "trace_path": ("--ula-trace-path", str,
+    "trace_path": ("--ula-trace-path", str, None,
                    "ulacache: write each step's selected logical KV addresses to this file "
-                   "(replayable by benchmarks/pblru_vs_lru.py)."),
+                   "(replayable by benchmarks/pblru_vs_lru.py; overwritten at startup; with "
+                   "data parallelism rank r > 0 writes FILE.dpR.EXT)."),
+    "fast_path": ("--ula-fast-path", str, ["true", "false"],
+                  "ulacache: identity placement (no translation, no copies) until the device "
+                  "pool first overflows (default true)."),
 }
 
 
@@ -43,8 +49,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "(unified logical KV address space over device and host memory with PB-LRU "
         "eviction, for DSA sparse-attention models such as DeepSeek-V3.2 and GLM-5).",
     )
-    for key, (flag, typ, text) in _SETTING_FLAGS.items():
-        group.add_argument(flag, dest=f"ula_{key}", type=typ, default=None, help=text)
+    for key, (flag, typ, choices, text) in _SETTING_FLAGS.items():
+        group.add_argument(flag, dest=f"ula_{key}", type=typ, default=None, choices=choices,
+                           help=text)
 
 
 def settings_from_namespace(args: argparse.Namespace) -> dict:

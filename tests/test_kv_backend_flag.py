@@ -25,6 +25,51 @@ def test_flag_registered_with_help(parser):
     assert any("--ula-host-pool-gib" in a.option_strings for a in parser._actions)
 
 
+def test_setting_flags_check_their_choices(parser, capsys):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--ula-lru", "fifo"])
+    assert "exact_list" in capsys.readouterr().err
+    args = parser.parse_args(["--model", "m", "--kv-backend", "ulacache", "--ula-lru", "exact_ts",
+                              "--ula-fast-path", "false"])
+    cfg = AsyncEngineArgs.from_cli_args(args).additional_config
+    assert ula_config.settings_from_additional_config(cfg) == ula_config.UlaSettings(
+        lru="exact_ts", fast_path=False)
+
+
+def test_trace_file_per_data_parallel_rank():
+    assert ula_config.trace_file_for("/t/x.jsonl", 0, 2) == "/t/x.jsonl"
+    assert ula_config.trace_file_for("/t/x.jsonl", 1, 2) == "/t/x.dp1.jsonl"
+    assert ula_config.trace_file_for("/t/x.jsonl", 0, 1) == "/t/x.jsonl"
+
+
+def test_trace_records_once_per_step_group_and_kind():
+    """Every layer of a layer group passes the same addresses; the trace holds them once."""
+    import io
+    import json
+    import types
+
+    import torch
+
+    from ulacache_vllm.engine.worker_store import UlaWorkerStore
+
+    fake = types.SimpleNamespace(_trace=io.StringIO(), _last_rec={}, step=1)
+    rec = UlaWorkerStore._record.__get__(fake)
+    a = torch.tensor([3, 4, -1])
+    for _ in range(3):  # three layers of group 0
+        rec(0, "append", a)
+    rec(1, "append", a)  # another group
+    rec(0, "select", a)
+    rec(0, "append", torch.tensor([5]))  # other addresses in the same step
+    fake.step = 2
+    rec(0, "append", a)
+    lines = [json.loads(x) for x in fake._trace.getvalue().splitlines()]
+    assert [(x["step"], x["group"], x["kind"], x["addr"]) for x in lines] == [
+        (1, 0, "append", [3, 4]), (1, 1, "append", [3, 4]), (1, 0, "select", [3, 4]),
+        (1, 0, "append", [5]), (2, 0, "append", [3, 4])]
+
+
 def test_flag_translates_into_additional_config(parser):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -91,6 +136,8 @@ attempt("bad_lru", model=ARGS["dsa"], kv_backend="ulacache", ula_lru="fifo")
 # Numbers as strings are read as numbers (here: too small, so the host check names them).
 attempt("host_str", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib="0.0001")
 attempt("bad_bool", model=ARGS["dsa"], kv_backend="ulacache", ula_fast_path="maybe")
+attempt("trace_dir", model=ARGS["dsa"], kv_backend="ulacache",
+        ula_trace_path="/nonexistent_ulacache_dir/t.jsonl")
 # Found only in the engine core (exact layer specs and budget): the message still comes back.
 attempt("device_small", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib=0.01,
         kv_cache_memory_bytes=2_000_000)
@@ -112,6 +159,7 @@ def test_clear_errors_from_llm(tiny_model):
     assert "fifo" in res["bad_lru"] and "pblru" in res["bad_lru"]
     assert res["host_str"].startswith("KVBackendError") and "host pool too small" in res["host_str"]
     assert "ula_fast_path" in res["bad_bool"] and "true or false" in res["bad_bool"]
+    assert res["trace_dir"].startswith("KVBackendError") and "does not exist" in res["trace_dir"]
     dev = res["device_small"]
     assert dev.startswith("KVBackendError: ulacache device pool too small"), dev
     assert "2000000 bytes" in dev and "Raise the KV budget" in dev

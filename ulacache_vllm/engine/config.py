@@ -121,6 +121,17 @@ def _coerce(name: str, value: Any) -> Any:
     return value
 
 
+def trace_file_for(path: str, dp_rank: int, dp_size: int) -> str:
+    """The trace file one engine writes: ``path`` itself, or ``stem.dpR.ext`` for data-parallel
+    rank R > 0 (each rank has its own pools, so its trace replays on its own)."""
+    if dp_size <= 1 or dp_rank == 0:
+        return path
+    import os
+
+    root, ext = os.path.splitext(path)
+    return f"{root}.dp{dp_rank}{ext}"
+
+
 def validate_backend_name(name: Any) -> str:
     if not isinstance(name, str) or name.strip().lower() not in KV_BACKENDS:
         raise KVBackendError(

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.logger import init_logger
 
-from .config import settings_from_additional_config
+from .config import settings_from_additional_config, trace_file_for
 from .metrics import UlaPromMetrics, UlaStats
 
 logger = init_logger("vllm.ulacache.connector")
@@ -73,7 +73,12 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("ulacache: the KV cache config carries no ulacache layout")
         ctx = self._vllm_config.compilation_config.static_forward_context
         device = next(iter(kv_caches.values())).device
-        self.store = UlaWorkerStore(layout, self._settings, ctx, device)
+        trace_file = None
+        if self._settings.trace_path:
+            pc = self._vllm_config.parallel_config
+            trace_file = trace_file_for(self._settings.trace_path, pc.data_parallel_rank,
+                                        pc.data_parallel_size)
+        self.store = UlaWorkerStore(layout, self._settings, ctx, device, trace_file)
         logger.info("ulacache worker store ready: %s", layout.summary(
             self._vllm_config.model_config.max_model_len))
 

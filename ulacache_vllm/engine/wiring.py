@@ -27,6 +27,8 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
         raise KVBackendError(f"--ula-lru {settings.lru!r} is not one of {', '.join(LRU_CHOICES)}")
     if settings.host_pool_gib < 0:
         raise KVBackendError("--ula-host-pool-gib must be >= 0")
+    if settings.trace_path:
+        check_trace_path(settings.trace_path)
     ktc = engine_args.kv_transfer_config
     if ktc is not None and getattr(ktc, "kv_connector", None) not in (None, CONNECTOR_NAME):
         raise KVBackendError(
@@ -44,6 +46,21 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
     engine_args.enable_prefix_caching = False
     if not engine_args.worker_extension_cls:
         engine_args.worker_extension_cls = WORKER_EXTENSION
+
+
+def check_trace_path(path: str) -> None:
+    """Fail before any model loads when the trace file cannot be written (the worker opens it
+    only after loading the weights, where an error surfaces as a generic engine failure)."""
+    import os
+
+    flag = "ula_trace_path (--ula-trace-path)"
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise KVBackendError(f"{flag} {path!r} is a directory; give a file name in it")
+    if not os.path.isdir(parent):
+        raise KVBackendError(f"{flag}: directory {parent!r} does not exist; create it first")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise KVBackendError(f"{flag}: {path!r} is not writable")
 
 
 def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:

@@ -55,7 +55,8 @@ class _Group:
 
 
 class UlaWorkerStore:
-    def __init__(self, layout: UlaLayout, settings: UlaSettings, layers: dict, device: torch.device):
+    def __init__(self, layout: UlaLayout, settings: UlaSettings, layers: dict, device: torch.device,
+                 trace_file: str | None = None):
         self.layout = layout
         self.settings = settings
         self.device = device
@@ -90,7 +91,9 @@ class UlaWorkerStore:
         self.counters = StoreCounters()
         self.time_s = {"write": 0.0, "read": 0.0, "copy": 0.0, "begin": 0.0}
         self._last_report, self._usage_changed = 0, False
-        self._trace = open(settings.trace_path, "a") if settings.trace_path else None
+        # Truncated: one file holds one run (two runs' steps would merge on replay).
+        self._trace = open(trace_file or settings.trace_path, "w") if settings.trace_path else None
+        self._last_rec: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
         if self._trace is not None:
             self._trace.write(json.dumps({"num_logical": layout.num_blocks * bs}) + "\n")
         for g in self.groups:
@@ -202,6 +205,11 @@ class UlaWorkerStore:
     def _record(self, gid: int, kind: str, addrs: torch.Tensor, reqs=None) -> None:
         if self._trace is None or addrs.numel() == 0:
             return
+        # Every layer of a group passes the same addresses: record them once per step.
+        last = self._last_rec.get((gid, kind))
+        if last is not None and last[0] == self.step and torch.equal(last[1], addrs):
+            return
+        self._last_rec[(gid, kind)] = (self.step, addrs.clone())
         a = addrs[addrs >= 0]
         rec = {"step": self.step, "group": gid, "kind": kind,
                "req": reqs.tolist() if reqs is not None else 0, "addr": a.tolist()}
