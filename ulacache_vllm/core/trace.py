@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from .address_space import LogicalAddressSpace
+from .pools import CapacityError
 
 FREE, APPEND, SELECT = 0, 1, 2
 _KINDS = {"free": FREE, "append": APPEND, "select": SELECT}
@@ -55,6 +56,9 @@ class Trace:
     working_set: int = 0      # peak over steps of sum over live requests of |ever selected|
     peak_demand: int = 0      # peak unique entries one round needs on the device
     meta: dict = field(default_factory=dict)
+    # peak unique entries one round appends: the device pool must hold them at once (a round's
+    # selections beyond the pool are replayed in chunks, as the engine attends in chunks)
+    peak_append: int = 0
 
 
 def generate_dsa_trace(*, num_steps: int = 128, batch: int = 8, topk: int = 256,
@@ -128,7 +132,8 @@ def generate_dsa_trace(*, num_steps: int = 128, batch: int = 8, topk: int = 256,
         demand_peak = max(demand_peak, step.select_addr.numel() + step.append_addr.numel())
     return Trace(steps, space.num_logical, ws_peak, demand_peak,
                  dict(batch=int(batch), topk=int(topk), overlap=tuple(float(x) for x in overlap),
-                      seed=int(seed)))
+                      seed=int(seed)),
+                 peak_append=max((s.append_addr.numel() for s in steps), default=0))
 
 
 def _check_params(*, num_steps, batch, topk, overlap, prompt_len, decode_len, prefill_chunk,
@@ -377,7 +382,9 @@ def load_trace(path: str) -> Trace:
     # device (requests may select the same address; the mapping dedups them).
     demand = max((torch.unique(torch.cat([s.select_addr, s.append_addr])).numel() for s in steps),
                  default=0)
-    return Trace(steps, num_logical, working_set=_working_set(steps), peak_demand=demand)
+    appended = max((torch.unique(s.append_addr).numel() for s in steps), default=0)
+    return Trace(steps, num_logical, working_set=_working_set(steps), peak_demand=demand,
+                 peak_append=appended)
 
 
 def _working_set(steps) -> int:
@@ -402,16 +409,20 @@ def _working_set(steps) -> int:
     return peak
 
 
-def replay(trace: Trace, mappings: dict, copy_fn=None, on_step=None) -> None:
+def replay(trace: Trace, mappings: dict, copy_fn=None, on_step=None) -> int:
     """Drive ``mappings[group]`` (TieredMapping) through the trace; plans applied at once.
 
     ``copy_fn`` defaults to a no-op (bookkeeping only). ``on_step(step, t_seconds)`` gets the
-    wall time of the step's mapping calls.
+    wall time of the step's mapping calls. A step whose selections exceed the device pool
+    (``CapacityError``) is replayed as the engine runs it: request by request (a request
+    larger than half the pool in slices of half the pool), a new round before each. Returns
+    the number of such chunks.
     """
     import time
 
     noop = copy_fn or (lambda *a: None)
     last_step = None
+    chunks = 0
     for st in trace.steps:
         m = mappings[st.group]
         if last_step is not None and st.step != last_step:
@@ -424,6 +435,30 @@ def replay(trace: Trace, mappings: dict, copy_fn=None, on_step=None) -> None:
         if st.append_addr.numel():
             m.apply(m.assign(st.append_addr)[1], noop)
         if st.select_addr.numel():
-            m.apply(m.ensure_resident(st.select_addr)[1], noop)
+            try:
+                m.apply(m.ensure_resident(st.select_addr)[1], noop)
+            except CapacityError:
+                chunks += _select_in_chunks(m, st, noop)
         if on_step is not None:
             on_step(st, time.perf_counter() - t0)
+    return chunks
+
+
+def _select_in_chunks(m, st: TraceStep, noop) -> int:
+    """The engine's fallback (worker_store.GroupTranslator.read_chunks) for one step."""
+    addrs = st.select_addr
+    if st.select_req.numel() == addrs.numel():
+        order = torch.argsort(st.select_req, stable=True)
+        addrs = addrs[order]
+        _, counts = torch.unique_consecutive(st.select_req[order], return_counts=True)
+        parts = torch.split(addrs, counts.tolist())
+    else:  # no request ids: one request
+        parts = (addrs,)
+    half = max(1, m.dev.num_slots // 2)
+    n = 0
+    for part in parts:
+        for i in range(0, part.numel(), half):
+            m.advance_round()
+            m.apply(m.ensure_resident(part[i:i + half])[1], noop)
+            n += 1
+    return n
