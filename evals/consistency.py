@@ -12,7 +12,9 @@ what the documents need at once, as in the example). Tasks:
 - `--task lexsum`: long-document summarization scored with ROUGE-1/2/L: `multi_lexsum` (the
   real Multi-LexSum, several long case documents per summary) when its data is available
   offline, else `ulacache_lexsum` over self-written cases of the same shape (~800-token
-  sources; `evals/fixtures/make_lexsum_cases.py`). Zero-shot (`--num-fewshot 0`).
+  sources; `evals/fixtures/make_lexsum_cases.py`). Zero-shot (`--num-fewshot 0`). Real cases
+  run to tens of thousands of tokens: give both runs a `max_model_len=...` model arg that
+  fits them (lm-eval keeps the last `max_model_len - max_gen` tokens of a longer prompt).
 - any other lm-eval task name is passed through.
 
     python evals/consistency.py --model MODEL --limit 8 --require-host-tier \
@@ -188,14 +190,19 @@ def run_lm_eval(model: str, backend: str, extra: str, task: str, include: str, l
     return json.loads((out / "result.json").read_text())
 
 
+_GENERIC = ("Engine core initialization failed", "See root cause above")
+
+
 def root_cause(stderr: str) -> str:
-    """The first exception line of a child's stderr: vLLM's engine-core failures end in a
-    generic "See root cause above", which a tail of the log cuts off."""
+    """The last specific exception line of a child's stderr: vLLM's engine-core failures end
+    in a generic "See root cause above", which a tail of the log cuts off."""
+    found = "(no exception line in stderr)"
     for line in stderr.splitlines():
         head = line.strip().split(":", 1)[0]
-        if head.endswith(("Error", "Exception")) and " " not in head:
-            return line.strip()
-    return "(no exception line in stderr)"
+        if head.endswith(("Error", "Exception")) and " " not in head and not any(
+                g in line for g in _GENERIC):
+            found = line.strip()
+    return found
 
 
 def _worker(spec_path: str) -> int:
@@ -234,8 +241,8 @@ def compare(model: str, *, limit: int = 8, ula_args: str = "", ref_args: str = "
         td = Path(td)
         include = write_task(td / "tasks", max_gen)
         task = resolve_task(task)
-        if num_fewshot is None:
-            num_fewshot = FEWSHOT.get(task, 0)
+        if num_fewshot is None:  # other tasks: their own yaml default
+            num_fewshot = FEWSHOT.get(task)
         ref = run_lm_eval(model, "vllm", ref_args, task, include, limit, td / "ref", dtype,
                           num_fewshot)
         ula = run_lm_eval(model, "ulacache", ula_args, task, include, limit, td / "ula", dtype,

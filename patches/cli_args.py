@@ -21,14 +21,14 @@ _SETTING_FLAGS = {
     "host_pool_gib": ("--ula-host-pool-gib", float, None,
                       "ulacache: host-memory pool for sparse-MLA KV rows, in GiB (exclusive "
                       "tier beside the device pool; default 4)."),
-    "lru": ("--ula-lru", str, list(POLICIES),
+    "lru": ("--ula-lru", str.lower, list(POLICIES),
             "ulacache: device-pool victim policy: pblru (default), pblru_bitmap, exact_ts, "
             "exact_list."),
     "trace_path": ("--ula-trace-path", str, None,
                    "ulacache: write each step's selected logical KV addresses to this file "
                    "(replayable by benchmarks/pblru_vs_lru.py; overwritten at startup; with "
                    "data parallelism rank r > 0 writes FILE.dpR.EXT)."),
-    "fast_path": ("--ula-fast-path", str, ["true", "false"],
+    "fast_path": ("--ula-fast-path", str.lower, list(ula_config.BOOL_WORDS),
                   "ulacache: identity placement (no translation, no copies) until the device "
                   "pool first overflows (default true)."),
 }

@@ -31,11 +31,21 @@ def test_setting_flags_check_their_choices(parser, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--ula-lru", "fifo"])
     assert "exact_list" in capsys.readouterr().err
-    args = parser.parse_args(["--model", "m", "--kv-backend", "ulacache", "--ula-lru", "exact_ts",
-                              "--ula-fast-path", "false"])
+    args = parser.parse_args(["--model", "m", "--kv-backend", "ulacache", "--ula-lru", "EXACT_TS",
+                              "--ula-fast-path", "No"])
     cfg = AsyncEngineArgs.from_cli_args(args).additional_config
     assert ula_config.settings_from_additional_config(cfg) == ula_config.UlaSettings(
         lru="exact_ts", fast_path=False)
+
+
+def test_trace_path_is_checked_before_the_engine_starts(tmp_path):
+    from ulacache_vllm.engine.wiring import check_trace_path
+
+    check_trace_path(str(tmp_path / "t.jsonl"))  # a new file in an existing directory
+    with pytest.raises(ula_config.KVBackendError, match="is a directory"):
+        check_trace_path(str(tmp_path))
+    with pytest.raises(ula_config.KVBackendError, match="does not exist"):
+        check_trace_path(str(tmp_path / "missing" / "t.jsonl"))
 
 
 def test_trace_file_per_data_parallel_rank():
@@ -44,30 +54,37 @@ def test_trace_file_per_data_parallel_rank():
     assert ula_config.trace_file_for("/t/x.jsonl", 0, 1) == "/t/x.jsonl"
 
 
-def test_trace_records_once_per_step_group_and_kind():
-    """Every layer of a layer group passes the same addresses; the trace holds them once."""
+def test_trace_records_a_group_once_per_step_before_resolving():
+    """Every layer of a layer group writes and reads the same addresses: only the group's
+    first layer records them, and a read is recorded before it resolves (a round that
+    overflows the device pool into chunks is traced too)."""
     import io
     import json
     import types
 
     import torch
 
-    from ulacache_vllm.engine.worker_store import UlaWorkerStore
+    from ulacache_vllm.core.pools import CapacityError
+    from ulacache_vllm.engine.worker_store import GroupTranslator, UlaWorkerStore
 
-    fake = types.SimpleNamespace(_trace=io.StringIO(), _last_rec={}, step=1)
-    rec = UlaWorkerStore._record.__get__(fake)
+    store = types.SimpleNamespace(_trace=io.StringIO(), step=1, identity=False)
+    store._record = UlaWorkerStore._record.__get__(store)
+    store.timed = lambda key: __import__("contextlib").nullcontext()
+    g = types.SimpleNamespace(gid=0, layers=["l0", "l1", "l2"], step_read=None)
+    t = GroupTranslator(store, g)
+    t._write = lambda sm: sm
+
+    def overflow(_):
+        raise CapacityError("round larger than the pool")
+    t._resolve = overflow
     a = torch.tensor([3, 4, -1])
-    for _ in range(3):  # three layers of group 0
-        rec(0, "append", a)
-    rec(1, "append", a)  # another group
-    rec(0, "select", a)
-    rec(0, "append", torch.tensor([5]))  # other addresses in the same step
-    fake.step = 2
-    rec(0, "append", a)
-    lines = [json.loads(x) for x in fake._trace.getvalue().splitlines()]
+    for layer in g.layers:
+        t.write_slots(layer, a)
+        with __import__("pytest").raises(CapacityError):  # no request ids: no chunking
+            list(t.read_chunks(layer, torch.tensor([[3, 4]]), None))
+    lines = [json.loads(x) for x in store._trace.getvalue().splitlines()]
     assert [(x["step"], x["group"], x["kind"], x["addr"]) for x in lines] == [
-        (1, 0, "append", [3, 4]), (1, 1, "append", [3, 4]), (1, 0, "select", [3, 4]),
-        (1, 0, "append", [5]), (2, 0, "append", [3, 4])]
+        (1, 0, "append", [3, 4]), (1, 0, "select", [3, 4])]
 
 
 def test_flag_translates_into_additional_config(parser):

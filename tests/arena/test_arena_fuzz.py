@@ -39,10 +39,14 @@ class ArenaMachine(RuleBasedStateMachine):
         self.fences = []
 
     # -- helpers --------------------------------------------------------------------------------
-    def _after(self, res, demands: dict[int, int]) -> None:
+    def _layout(self):
+        vids, offs, _ = self.arena.live_pages()
+        return vids.tolist(), offs.tolist(), self.arena.free_extents(), self.arena.band_bounds
+
+    def _after(self, res, demands: dict[int, int], before) -> None:
         a = self.arena
         if not res.ok:  # a shortfall changes nothing: no moves, no plan
-            assert not res.copy_plan
+            assert not res.copy_plan and self._layout() == before
         self.shadow.apply(res.copy_plan)
         event(f"ladder step: {res.step}")
         if len(res.copy_plan.steps) > 1:
@@ -76,14 +80,17 @@ class ArenaMachine(RuleBasedStateMachine):
         dem = {0: n_full, 1: n_swa, 2: n_state}
         rid = self.next_id
         self.next_id += 1
-        self._after(self.arena.admit(rid, {"full": n_full, "swa": n_swa, "state": n_state}), dem)
+        before = self._layout()
+        self._after(self.arena.admit(rid, {"full": n_full, "swa": n_swa, "state": n_state}), dem,
+                    before)
 
     @rule(data=st.data(), kind=st.integers(0, 2), n=st.integers(1, 4))
     def grow(self, data, kind, n):
         if not self._requests():
             return
         rid = data.draw(st.sampled_from(self._requests()))
-        self._after(self.arena.grow(rid, kind, n), {kind: n})
+        before = self._layout()
+        self._after(self.arena.grow(rid, kind, n), {kind: n}, before)
 
     @rule(data=st.data(), kind=st.integers(0, 2))
     def shrink(self, data, kind):

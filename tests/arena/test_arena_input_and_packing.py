@@ -132,3 +132,40 @@ def test_a_second_packing_places_what_largest_first_into_holes_misses():
     assert res.ok and not res.copy_plan
     assert sorted(a.v2p(res.vids["A"]).tolist()) == [0, 2 * U]
     assert a.v2p(res.vids["B"]).tolist() == [6 * U]
+
+
+def test_a_refused_demand_is_retried_cheaply_until_something_changes(monkeypatch):
+    a = Arena(6 * U, [kind("A", Band.LOW, U), kind("H", Band.HIGH, 2 * U)], alignment=U)
+    a.admit("r1", {"A": 1})
+    a.admit("r2", {"A": 1})
+    r3 = a.admit("r3", {"A": 1})
+    fence = a.fence("fwd")
+    a.register_use(r3.vids["A"], fence)  # pins [2U, 3U)
+    a.free("r1")
+    assert not a.admit("r4", {"H": 2}).ok
+    calls = []
+    monkeypatch.setattr(a, "compact", lambda: calls.append(1) or Arena.compact(a))
+    res = a.admit("r4", {"H": 2})  # nothing changed: refused without another ladder
+    assert not res.ok and res.shortfall_bytes > 0 and not calls
+    fence.complete()  # the pinned page may move now
+    res = a.admit("r4", {"H": 2})
+    assert res.ok and calls and res.copy_plan
+
+
+def test_an_error_inside_the_ladder_leaves_the_tables_as_they_were(monkeypatch):
+    a = Arena(6 * U, [kind("A", Band.LOW, U), kind("H", Band.HIGH, 2 * U)], alignment=U)
+    for r in ("r1", "r2", "r3"):
+        a.admit(r, {"A": 1})
+    a.free("r1")
+    before = layout(a)
+    real = Arena.relayout
+
+    def broken(self):
+        real(self)
+        raise RuntimeError("boom")
+    monkeypatch.setattr(Arena, "relayout", broken)
+    monkeypatch.setattr(Arena, "compact", lambda self: __import__(
+        "ulacache_vllm.arena.copy_plan", fromlist=["CopyPlan"]).CopyPlan())
+    with pytest.raises(RuntimeError, match="boom"):
+        a.admit("r4", {"H": 2})
+    assert layout(a) == before

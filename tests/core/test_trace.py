@@ -187,10 +187,10 @@ def test_loaded_demand_counts_distinct_entries_per_group(tmp_path):
             {"step": 1, "kind": "select", "req": [r for r in range(4) for _ in range(8)],
              "addr": list(range(8)) * 4},
             # group 1 has its own pool: its 3 live selected entries are not added to group 0's
-            {"step": 1, "group": 1, "kind": "append", "req": 0, "addr": [0, 1, 2]},
-            {"step": 2, "group": 1, "kind": "select", "req": 0, "addr": [0, 1, 2]}]
+            {"step": 1, "group": 1, "kind": "append", "req": 0, "addr": [8, 9, 10]},
+            {"step": 2, "group": 1, "kind": "select", "req": 0, "addr": [8, 9, 10]}]
     t = load_trace(_write_jsonl(tmp_path / "dups.jsonl", rows))
-    assert t.num_logical == 8 and t.peak_demand == 8 and t.working_set == 8
+    assert t.num_logical == 11 and t.peak_demand == 8 and t.working_set == 8  # not 11
 
 
 def test_loader_takes_sparse_huge_addresses(tmp_path):

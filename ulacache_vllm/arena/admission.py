@@ -58,19 +58,31 @@ def run_ladder(arena: "Arena", demands: dict[int, int]) -> tuple[dict[int, np.nd
     need = sum(n * arena.page_bytes[k] for k, n in demands.items())
     if need > arena.free_bytes:  # nothing short of freeing can help: move nothing
         return None, CopyPlan(), SHORTFALL, need - arena.free_bytes
+    # A scheduler retries its head request every step: the same demand on an unchanged
+    # arena (no allocation, free, move or fence passed since) fails the same way.
+    key = (arena._version, tuple(sorted(demands.items())))
+    if arena._failed is not None and arena._failed[0] == key:
+        return None, CopyPlan(), SHORTFALL, arena._failed[1]
     saved = arena._snapshot()
     plan = CopyPlan()
-    for step, moves in ((COMPACT, (arena.compact,)), (RELAYOUT, (arena.relayout, arena.compact))):
-        for _ in range(MAX_PASSES):
-            moved = False
-            for move in moves:
-                more = move()
-                plan.extend(more)
-                placed, unplaced = arena._try_place(demands)
-                if placed is not None:
-                    return placed, plan, step, 0
-                moved = moved or bool(more)
-            if not moved:
-                break
+    try:
+        for step, moves in ((COMPACT, (arena.compact,)), (RELAYOUT, (arena.relayout, arena.compact))):
+            for _ in range(MAX_PASSES):
+                moved = False
+                for move in moves:
+                    more = move()
+                    if not more:
+                        continue  # nothing moved: the last placement attempt stands
+                    plan.extend(more)
+                    moved = True
+                    placed, unplaced = arena._try_place(demands)
+                    if placed is not None:
+                        return placed, plan, step, 0
+                if not moved:
+                    break
+    except BaseException:
+        arena._restore(saved)  # tables as before the call: nothing half-moved
+        raise
     arena._restore(saved)
+    arena._failed = (key, unplaced)
     return None, CopyPlan(), SHORTFALL, unplaced

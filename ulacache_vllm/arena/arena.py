@@ -54,7 +54,11 @@ class Arena:
         self._kind_index = {k.name: i for i, k in enumerate(kinds)}
         self._space = FreeSpace(self.total_bytes)
         self._ids = VirtualIds()
-        self.ledger = Ledger(self._page_size_at, self._release_bytes)
+        self.ledger = Ledger(self._page_size_at, self._release_bytes, on_pass=self._changed)
+        # Bumped by every change that can let a refused demand fit (allocation, free, move,
+        # a fence passing); the last refused demand and the version it was refused at.
+        self._version = 0
+        self._failed = None
         self._requests: dict[Hashable, dict[int, list[int]]] = {}
         self.stats = {"admitted": 0, "grown": 0, "shortfalls": 0, "compactions": 0,
                       "relayouts": 0, "bytes_copied": 0, "pages_moved": 0}
@@ -281,18 +285,23 @@ class Arena:
         return placed, 0
 
     def _snapshot(self):
-        """The tables a move changes (free space, v2p / p2v, stats), to undo a failed ladder.
-        The ledger is not among them: moves never touch fenced pages or withheld bytes."""
-        return _clone(self._space), _clone(self._ids), dict(self.stats)
+        """The tables a move changes (free space, v2p / p2v, stats, version), to undo a
+        failed ladder. The ledger is not among them: moves never touch fenced pages or
+        withheld bytes."""
+        return self._space.copy(), self._ids.copy(), dict(self.stats), self._version
 
     def _restore(self, saved) -> None:
-        self._space, self._ids, self.stats = saved
+        self._space, self._ids, self.stats, self._version = saved
+
+    def _changed(self) -> None:
+        self._version += 1
 
     def _ladder(self, dem: dict[int, int]) -> AdmitResult:
         placed, plan, step, shortfall = run_ladder(self, dem)
         if placed is None:
             self.stats["shortfalls"] += 1
             return AdmitResult(False, {}, plan, shortfall, step)
+        self._changed()
         vids = {self.kinds[k].name: self._ids.allocate(offs, k) for k, offs in placed.items()}
         for k, n in dem.items():
             vids.setdefault(self.kinds[k].name, np.zeros(0, np.int64))
@@ -304,6 +313,7 @@ class Arena:
     def _release(self, vids: np.ndarray) -> None:
         if not len(vids):
             return
+        self._changed()
         kinds = self._ids.kind_of(vids)
         offs = self._ids.release(vids)
         for off, k in zip(offs.tolist(), kinds.tolist()):
@@ -313,6 +323,7 @@ class Arena:
 
     def _release_bytes(self, offset: int, nbytes: int, band) -> None:
         self._space.add(offset, nbytes)
+        self._changed()
 
     def _page_size_at(self, offset: int) -> int:
         vid = int(self._ids.p2v([offset])[0])
@@ -320,6 +331,7 @@ class Arena:
 
     def _count_moves(self, plan: CopyPlan, counter: str) -> None:
         if plan:
+            self._changed()
             self.stats[counter] += 1
             self.stats["bytes_copied"] += plan.nbytes
             self.stats["pages_moved"] += len(plan)
@@ -329,14 +341,6 @@ class Arena:
 # default fills the holes nearest each band's base; best-fit takes the smallest hole (or the
 # middle) that holds a kind's pages; smallest-first leaves the big holes to small pages.
 _PACKINGS = ((True, False), (True, True), (False, False))
-
-
-def _clone(obj):
-    """A copy of an object whose attributes are ints and flat containers (lists, dicts, numpy
-    arrays of ints): one level of copying is a full copy, far cheaper than ``deepcopy``."""
-    new = object.__new__(type(obj))
-    new.__dict__ = {k: v.copy() if hasattr(v, "copy") else v for k, v in obj.__dict__.items()}
-    return new
 
 
 def _zip_longest(a: list, b: list):

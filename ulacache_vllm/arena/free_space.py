@@ -23,6 +23,13 @@ class FreeSpace:
         self.high_bottom = total
         self.free_bytes = total
 
+    def copy(self) -> "FreeSpace":
+        new = object.__new__(FreeSpace)
+        new.__dict__.update(self.__dict__)
+        new._starts, new._end = list(self._starts), dict(self._end)
+        new._start_of_end = dict(self._start_of_end)
+        return new
+
     # -- queries -----------------------------------------------------------------------------
     def extents(self) -> list[tuple[int, int]]:
         return [(s, self._end[s]) for s in self._starts]

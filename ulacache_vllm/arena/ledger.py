@@ -39,9 +39,11 @@ class Fence:
 
 class Ledger:
     def __init__(self, page_size_of: Callable[[int], int],
-                 release: Callable[[int, int, object], None]) -> None:
+                 release: Callable[[int, int, object], None],
+                 on_pass: Callable[[], None] | None = None) -> None:
         self._page_size_of = page_size_of  # raises KeyError for a byte offset that is no live page
         self._release = release
+        self._on_pass = on_pass  # told when a fence passes (its pages may move again)
         self._count: dict[int, int] = {}
         self._pages_of: dict[int, list[int]] = {}
         self._open: dict[int, Fence] = {}
@@ -99,6 +101,8 @@ class Ledger:
 
     def _on_complete(self, fence: Fence) -> None:
         self._open.pop(fence.id, None)
+        if self._on_pass is not None:
+            self._on_pass()
         for p in self._pages_of.pop(fence.id, []):
             c = self._count[p] - 1
             if c:

@@ -26,6 +26,12 @@ class VirtualIds:
         self._p2v: dict[int, int] = {}
         self._free: list[int] = list(range(capacity - 1, -1, -1))
 
+    def copy(self) -> "VirtualIds":
+        new = object.__new__(VirtualIds)
+        new._v2p, new._kind = self._v2p.copy(), self._kind.copy()
+        new._p2v, new._free = dict(self._p2v), list(self._free)
+        return new
+
     def __len__(self) -> int:
         return len(self._p2v)
 

@@ -12,7 +12,7 @@ File format (written by ``save_trace``, read by ``load_trace``; the engine recor
 * ``.jsonl``: one JSON object per line, ``{"step": int, "group": int, "kind":
   "free"|"append"|"select", "req": [int, ...], "addr": [int, ...]}`` (``req`` may also be a
   single int applying to every address). Header lines ``{"num_logical": int}`` are optional
-  (the engine writes one per run into an appended file; the largest counts).
+  (the engine writes one at startup; if several, the largest counts).
 
 Steps are >= 0, groups in ``[0, 2**20)``, addresses >= 0; a file that breaks the format raises
 ``ValueError`` naming the problem. Traces are written to exactly the given path: JSON lines
@@ -397,15 +397,13 @@ def _working_set(steps) -> int:
     uniq = torch.unique(allv)
     groups = sorted({s.group for s in steps})
     live = {g: torch.zeros(uniq.numel(), dtype=torch.bool) for g in groups}
-    count = dict.fromkeys(groups, 0)
     peak = 0
     for s in steps:
         ls = live[s.group]
         for addrs, val in ((s.free_addr, False), (s.append_addr, False), (s.select_addr, True)):
             if addrs.numel():
                 ls[torch.searchsorted(uniq, addrs)] = val
-        count[s.group] = int(ls.sum())
-        peak = max(peak, count[s.group])
+        peak = max(peak, int(ls.sum()))
     return peak
 
 

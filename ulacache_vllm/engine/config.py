@@ -83,6 +83,7 @@ class UlaSettings:
 
 
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+BOOL_WORDS = _TRUE + _FALSE  # what a boolean setting accepts as a string
 
 
 def _coerce(name: str, value: Any) -> Any:

@@ -74,7 +74,7 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         ctx = self._vllm_config.compilation_config.static_forward_context
         device = next(iter(kv_caches.values())).device
         trace_file = None
-        if self._settings.trace_path:
+        if self._settings.trace_path and _first_worker_of_engine():
             pc = self._vllm_config.parallel_config
             trace_file = trace_file_for(self._settings.trace_path, pc.data_parallel_rank,
                                         pc.data_parallel_size)
@@ -117,3 +117,14 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return UlaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _first_worker_of_engine() -> bool:
+    """TP / PP rank 0: the one worker of an engine that writes the trace (the others would
+    record the same rounds into the same file)."""
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        return ps.get_tp_group().rank_in_group == 0 and ps.get_pp_group().rank_in_group == 0
+    except AssertionError:  # groups not initialised (single-process tests)
+        return True

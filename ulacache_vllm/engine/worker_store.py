@@ -92,8 +92,7 @@ class UlaWorkerStore:
         self.time_s = {"write": 0.0, "read": 0.0, "copy": 0.0, "begin": 0.0}
         self._last_report, self._usage_changed = 0, False
         # Truncated: one file holds one run (two runs' steps would merge on replay).
-        self._trace = open(trace_file or settings.trace_path, "w") if settings.trace_path else None
-        self._last_rec: dict[tuple[int, str], tuple[int, torch.Tensor]] = {}
+        self._trace = open(trace_file, "w") if trace_file else None
         if self._trace is not None:
             self._trace.write(json.dumps({"num_logical": layout.num_blocks * bs}) + "\n")
         for g in self.groups:
@@ -205,11 +204,6 @@ class UlaWorkerStore:
     def _record(self, gid: int, kind: str, addrs: torch.Tensor, reqs=None) -> None:
         if self._trace is None or addrs.numel() == 0:
             return
-        # Every layer of a group passes the same addresses: record them once per step.
-        last = self._last_rec.get((gid, kind))
-        if last is not None and last[0] == self.step and torch.equal(last[1], addrs):
-            return
-        self._last_rec[(gid, kind)] = (self.step, addrs.clone())
         a = addrs[addrs >= 0]
         rec = {"step": self.step, "group": gid, "kind": kind,
                "req": reqs.tolist() if reqs is not None else 0, "addr": a.tolist()}
@@ -249,13 +243,14 @@ class GroupTranslator(KVTranslator):
         self.g = group
 
     def write_slots(self, layer_name: str, slot_mapping: torch.Tensor) -> torch.Tensor:
+        if self.store._trace is not None and layer_name == self.g.layers[0]:
+            # Every layer of a group writes (and reads) the same addresses: trace them once.
+            self.store._record(self.g.gid, "append", slot_mapping)
         with self.store.timed("write"):
             return self._write(slot_mapping)
 
     def _write(self, slot_mapping: torch.Tensor) -> torch.Tensor:
         if self.store.identity and self.store.identity_write(slot_mapping):
-            if self.store._trace is not None:
-                self.store._record(self.g.gid, "append", slot_mapping)
             return slot_mapping
         g, step = self.g, self.store.step
         if g.step_write is not None and g.step_write[0] == step and torch.equal(
@@ -264,8 +259,6 @@ class GroupTranslator(KVTranslator):
         slots, plan = g.mapping.assign(slot_mapping)
         self.store._apply(g, plan)
         g.step_write = (step, slot_mapping.clone(), slots)
-        if self.store._trace is not None:
-            self.store._record(g.gid, "append", slot_mapping)
         return slots
 
     def read_rows(self, layer_name: str, rows: torch.Tensor) -> torch.Tensor:
@@ -277,10 +270,11 @@ class GroupTranslator(KVTranslator):
                     req_of_token: torch.Tensor | None) -> Iterator[tuple[int, int, torch.Tensor]]:
         g, step, st = self.g, self.store.step, self.store
         T = logical.shape[0]
+        if st._trace is not None and layer_name == g.layers[0]:  # before a round that may
+            st._record(g.gid, "select", logical.reshape(-1),   # overflow into chunks
+                       None if req_of_token is None else
+                       req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
         if st.identity:
-            if st._trace is not None:
-                st._record(g.gid, "select", logical.reshape(-1), None if req_of_token is None
-                           else req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
             yield 0, T, logical
             return
         if g.step_read is not None and g.step_read[0] == step and torch.equal(
@@ -290,10 +284,6 @@ class GroupTranslator(KVTranslator):
         try:
             slots = self._resolve(logical)
             g.step_read = (step, logical.clone(), slots)
-            if st._trace is not None:
-                st._record(g.gid, "select", logical.reshape(-1),
-                           None if req_of_token is None else
-                           req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
             yield 0, T, slots
             return
         except CapacityError:
