@@ -145,10 +145,6 @@ def dataset_available(path: str, name: str) -> bool:
         return False
 
 
-def gsm8k_available() -> bool:
-    return dataset_available("gsm8k", "main")
-
-
 # --task aliases: the real dataset's lm-eval task when its data is cached, else our fixture task.
 TASKS = {"gsm8k": (("gsm8k", "main"), "gsm8k", "ulacache_arith"),
          "lexsum": (("allenai/multi_lexsum", "v20230518"), "multi_lexsum", "ulacache_lexsum")}

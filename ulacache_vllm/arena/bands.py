@@ -29,12 +29,9 @@ def place(free: FreeSpace, band: Band, n: int, size: int, best_fit: bool = False
     taken: list[tuple[int, int]] = []
     out: list[np.ndarray] = []
     left = n
-    holes: list = list(free.holes(band))
+    holes: list = [*free.holes(band), None]  # None: the middle, at the band end
     if best_fit:
-        holes.append(None)  # the middle, at the band end
         holes.sort(key=lambda h: free.middle if h is None else h[1] - h[0])
-    else:
-        holes.append(None)
     for h in holes:
         if h is None:  # the band end: pages extend the band into the middle
             k = min(left, free.middle // size)
