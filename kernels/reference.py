@@ -53,7 +53,10 @@ def _bit_lut(device) -> torch.Tensor:
 
 def unpack_bits(words: torch.Tensor) -> torch.Tensor:
     """int64 words [M] -> bool [M*64] (bit ``i*64 + b`` = bit b of word i; little-endian bytes)."""
-    return _bit_lut(words.device).index_select(0, words.contiguous().view(torch.uint8).to(torch.int64)).reshape(-1)
+    w = words.contiguous()
+    if w.numel() and w.stride(-1) != 1:  # a 1-element strided view counts as contiguous
+        w = w.clone(memory_format=torch.contiguous_format)
+    return _bit_lut(words.device).index_select(0, w.view(torch.uint8).to(torch.int64)).reshape(-1)
 
 
 def expand_first_k(words: torch.Tensor, k: int) -> torch.Tensor:
@@ -218,6 +221,8 @@ def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
     is the rank written into local locations (DP ranks own everything but keep their id).
     """
     pub_rank = rank if pub_rank is None else pub_rank
+    shape = addrs.shape
+    addrs = addrs.reshape(-1).long()  # int32 addresses (vLLM's top-k indices) pack as int64 too
     valid = addrs >= 0
     a = torch.where(valid, addrs, torch.zeros_like(addrs))
     owner = a % world
@@ -227,4 +232,4 @@ def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
     mine = torch.where(v >= 0, mine, torch.full_like(v, -1))
     remote = (TIER_REMOTE << PUB_TIER_SHIFT) | (owner << PUB_RANK_SHIFT)
     out = torch.where(local, mine, remote)
-    return torch.where(valid, out, torch.full_like(out, -1))
+    return torch.where(valid, out, torch.full_like(out, -1)).view(shape)

@@ -33,9 +33,10 @@ def _translate_kernel(addr_ptr, table_ptr, out_ptr, n, rank, world, rank_bits,
 def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
               pub_rank: int | None = None) -> torch.Tensor:
     pub_rank = rank if pub_rank is None else pub_rank
+    addrs = addrs.long()  # the kernel packs in int64 whatever the address width
     n = addrs.numel()
     out = torch.empty(n, dtype=torch.int64, device=addrs.device)
     if n:
         _translate_kernel[(triton.cdiv(n, 256),)](addrs.contiguous(), table, out, n, rank, world,
                                                  pub_rank << 32, BLOCK=256)
-    return out
+    return out.view(addrs.shape)

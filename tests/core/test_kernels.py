@@ -188,6 +188,26 @@ def test_translate(seed, n, world, data):
                        ref.translate(addrs, table, rank, world, 7))
 
 
+def test_translate_int32_and_2d_addresses():
+    """vLLM's top-k indices are int32: remote / local packing must not depend on the width
+    (an int32 remote address used to pack as device slot 0 of rank 0 on the torch path, and
+    the kernel overflowed); a 2-D batch keeps its shape on both paths."""
+    table = torch.tensor([7, 8, 9], dtype=torch.int64)
+    a64 = torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)
+    expect = ref.translate(a64, table, 0, 2)
+    assert expect.shape == (2, 2) and int(expect[0, 1]) >> 48 == 3  # REMOTE tier
+    for fn in (ref.translate, tt.translate):
+        assert torch.equal(fn(a64.to(torch.int32), table, 0, 2), expect)
+        assert torch.equal(fn(a64, table, 0, 2), expect)
+
+
+def test_expand_first_k_one_strided_word():
+    """A 1-element strided view counts as contiguous but cannot be viewed as bytes."""
+    w = torch.tensor([0b1011, 5], dtype=torch.int64)[::2]
+    assert ref.expand_first_k(w, 3).tolist() == [0, 1, 3]
+    assert tk.expand_first_k(w, 3).tolist() == [0, 1, 3]
+
+
 def test_mapping_same_with_triton_path(monkeypatch):
     """A whole replay gives identical results on the Triton and torch paths."""
     from ulacache_vllm.core import TieredMapping
