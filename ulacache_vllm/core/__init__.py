@@ -9,10 +9,12 @@ from .pblru import PBLRU
 from .pblru_bitmap import BitmapPBLRU
 from .placement import Placement
 from .pools import CapacityError, SlotPool
+from .remote_buffer import FetchPlan, RemoteBufferStats, RemoteRowBuffer
 from .store import RowStore
 
 __all__ = [
     "LogicalAddressSpace", "ListLRU", "TimestampLRU", "Fence", "ManualEvent", "DEVICE", "HOST",
     "PENDING", "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
     "PBLRU", "BitmapPBLRU", "Placement", "CapacityError", "SlotPool", "RowStore",
+    "FetchPlan", "RemoteBufferStats", "RemoteRowBuffer",
 ]

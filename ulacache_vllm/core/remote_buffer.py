@@ -1,0 +1,266 @@
+"""TP mode's buffer of recently fetched remote rows.
+
+With TP placement rank ``r`` owns the rows of entries ``t`` with ``t % P == r`` (MLA KV is
+sharded by token instead of replicated), yet attention on every rank reads every selected row
+(the latent row is shared by all heads). Rows owned by other ranks are fetched; consecutive
+DSA top-k sets overlap 60-95 %, so a per-rank buffer of recently fetched remote rows turns most
+fetches into hits.
+
+``RemoteRowBuffer`` maps remote logical addresses to buffer slots with a tensor table (like
+``TieredMapping``) and evicts with the same policies (PB-LRU by default): victims never come
+from the current round, so a row a round reads is not overwritten during it. Ordering rule as
+in the tiered mapping: ``lookup`` returns the slots and a ``FetchPlan`` (which addresses to
+fetch from which owner rank into which slots); ``apply(plan, fetch_fn)`` runs the fetch, and
+the entries become visible to ``resolve`` only once the fetch's event reports completion
+(commit, then the plan's fence is signalled). Plans are applied in creation order, so fetches
+into a reused slot land in order on one in-order stream.
+
+A freed logical address may be reused for another token: ``invalidate`` (called with every
+free, on every rank) drops those entries, so a reused address is never served stale bytes.
+Failures (``CapacityError``: a round's remote rows exceed the buffer; ``KeyError`` /
+``TypeError``: bad addresses) leave the tables and pools unchanged (a failed lookup's hits stay
+marked as used in the round, as in ``TieredMapping.ensure_resident``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ulacache_vllm import kernels as K
+
+from .fence import Fence
+from .mapping import _AllEvents, make_policy
+from .placement import Placement
+from .pools import CapacityError, SlotPool
+
+# fetch_fn(owner_ranks, addrs, dst_slots) copies the rows of ``addrs`` (owned by
+# ``owner_ranks``) into buffer slots ``dst_slots``; it may return an event with ``query()``.
+FetchFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
+
+
+@dataclass
+class FetchPlan:
+    addrs: torch.Tensor   # unique remote logical addresses to fetch
+    owners: torch.Tensor  # their owner ranks (addr % world_size)
+    slots: torch.Tensor   # buffer slots to write
+    plan_id: int = 0
+    fence: Fence = field(default_factory=Fence)
+    state: str = "planned"  # planned -> fetched -> committed
+    _buffer: object = None
+
+    @property
+    def empty(self) -> bool:
+        return self.addrs.numel() == 0
+
+
+@dataclass
+class RemoteBufferStats:
+    lookups: int = 0       # unique remote addresses looked up
+    hits: int = 0          # ... already in the buffer
+    fetched: int = 0       # rows fetched from their owners
+    evicted: int = 0       # buffered rows dropped to make room
+    invalidated: int = 0   # buffered rows dropped because their entry was freed
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+class RemoteRowBuffer:
+    def __init__(self, num_logical: int, num_slots: int, *, rank: int, world_size: int,
+                 device: torch.device | str = "cpu", lru: str = "pblru", ring_size: int = 8):
+        if num_slots < 1:
+            raise ValueError(f"a remote-row buffer needs at least one slot, got {num_slots}")
+        self.device = torch.device(device)
+        self.placement = Placement("tp", rank, world_size)
+        self.num_logical = num_logical
+        n = max(1, num_logical)
+        self.table = torch.full((n,), -1, dtype=torch.int64, device=self.device)    # planned
+        self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)  # fetched
+        self._claim = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._last_plan = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self.pool = SlotPool(num_slots, self.device)  # owner = the buffered address
+        self.policy = make_policy(lru, num_slots, self.device, ring_size)
+        self.stats = RemoteBufferStats()
+        self._pending: deque[FetchPlan] = deque()
+        self._next_plan = 1
+        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    @property
+    def used(self) -> int:
+        return self.pool.num_used
+
+    # ------------------------------------------------------------------ helpers
+    def _addrs(self, addrs, what: str, ignore_out_of_range: bool = False):
+        t = torch.as_tensor(addrs, device=self.device)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{what}: logical addresses must be integers, got {t.dtype}")
+        shape = t.shape
+        t = t.to(torch.int64).reshape(-1)
+        if t.numel() and int(t.max()) >= self.num_logical:
+            bad = t >= self.num_logical
+            if ignore_out_of_range:
+                return t.masked_fill(bad, -1), shape
+            raise KeyError(f"{what}: addresses {t.masked_select(bad)[:8].tolist()} are outside "
+                           f"the logical address space [0, {self.num_logical})")
+        return t, shape
+
+    def _remote_unique(self, a: torch.Tensor):
+        """``(is_remote, unique remote addresses)``: dedup in O(n) via a claim table."""
+        P = self.placement.world_size
+        is_remote = (a >= 0) & (a % P != self.placement.rank)
+        sel = a.masked_select(is_remote)
+        if sel.numel() > 1:
+            pos = torch.arange(sel.numel(), device=self.device)
+            self._claim.scatter_(0, sel, pos)
+            sel = sel.masked_select(self._claim.index_select(0, sel) == pos)
+        return is_remote, sel
+
+    def _out(self, table, a, is_remote, shape) -> torch.Tensor:
+        safe = torch.where(is_remote, a, torch.zeros_like(a))
+        return torch.where(is_remote, table.index_select(0, safe), torch.full_like(a, -1)).reshape(shape)
+
+    def _wait_for(self, u: torch.Tensor) -> None:
+        """Commit the fetches (and those before them) that still write entries ``u``."""
+        if not self._pending or u.numel() == 0:
+            return
+        last = int(self._last_plan.index_select(0, u).max())
+        if last < self._pending[0].plan_id:
+            return
+        for plan in list(self._pending):
+            if plan.plan_id > last:
+                break
+            if plan.state == "planned":
+                raise RuntimeError(f"fetch plan {plan.plan_id} was never applied: apply each "
+                                   "plan (in creation order) before using its entries")
+            plan.fence.wait()
+        self.poll()
+
+    # ------------------------------------------------------------------ API
+    def lookup(self, addrs):
+        """Buffer slots for the remote entries among ``addrs`` (any shape; duplicates and -1
+        padding allowed; entries this rank owns give -1: resolve those through the rank's
+        ``TieredMapping``). Hits are touched; misses get slots (free ones first, then
+        victims not used this round) and go into the returned ``FetchPlan``. Apply the plan
+        and wait for its fence before reading the slots."""
+        self.poll()
+        a, shape = self._addrs(addrs, "lookup")
+        is_remote, u = self._remote_unique(a)
+        self._wait_for(u)  # a hit on a row still being fetched is read after that fetch
+        hit, _ = self.policy.hit_touch(self.table.index_select(0, u))
+        miss = K.compact(u, ~hit)
+        m = miss.numel()
+        self.stats.lookups += u.numel()
+        self.stats.hits += u.numel() - m
+        if m == 0:
+            plan = FetchPlan(self._empty, self._empty, self._empty, state="committed", _buffer=self)
+            plan.fence.signal()
+            return self._out(self.table, a, is_remote, shape), plan
+        f = min(m, self.pool.num_free)
+        k = m - f
+        if k:
+            try:
+                victims = self.policy.select_victims(k)  # raises before any change
+            except CapacityError:
+                self.stats.lookups -= u.numel()
+                self.stats.hits -= u.numel() - m
+                raise CapacityError(
+                    f"remote-row buffer of {self.num_slots} slots cannot hold this round's "
+                    f"{m} new remote rows next to the ones it already uses; split the round "
+                    "(advance_round between smaller lookups) or enlarge the buffer") from None
+            old = self.pool.owner.index_select(0, victims)
+            K.reference.fill_at(self.table, old, -1)
+            K.reference.fill_at(self.visible, old, -1)
+            self.pool.take(victims, miss[f:])
+            self.stats.evicted += k
+            dst = torch.cat([self.pool.alloc(miss[:f]), victims])
+        else:
+            dst = self.pool.alloc(miss)
+        self.table.scatter_(0, miss, dst)
+        self.policy.touch(dst)
+        plan = FetchPlan(miss, miss % self.placement.world_size, dst, plan_id=self._next_plan,
+                         _buffer=self)
+        self._next_plan += 1
+        self._last_plan.index_fill_(0, miss, plan.plan_id)
+        self._pending.append(plan)
+        self.stats.fetched += m
+        return self._out(self.table, a, is_remote, shape), plan
+
+    def apply(self, plan: FetchPlan, fetch_fn: FetchFn) -> FetchPlan:
+        """Fetch the rows, then (once the fetch is done) make them visible, then signal."""
+        if plan.state != "planned":
+            return plan
+        if plan._buffer is not self:
+            raise ValueError("plan belongs to another remote-row buffer")
+        if self._pending and self._pending[0] is not plan:
+            for p in self._pending:
+                if p is plan:
+                    break
+                if p.state == "planned":
+                    raise RuntimeError(f"apply fetch plans in creation order: plan {p.plan_id} "
+                                       f"comes before plan {plan.plan_id} and was not applied")
+        ev = fetch_fn(plan.owners, plan.addrs, plan.slots)
+        plan.fence.event = ev if not isinstance(ev, list) else _AllEvents(ev)
+        plan.state = "fetched"
+        self.poll()
+        return plan
+
+    def poll(self) -> None:
+        """Commit, in creation order, every applied plan whose fetch has finished."""
+        while self._pending:
+            plan = self._pending[0]
+            if plan.state != "fetched" or not plan.fence.copy_done():
+                return
+            self._pending.popleft()
+            # Entries invalidated or evicted (and maybe re-fetched) since: not this plan's.
+            ok = self.table.index_select(0, plan.addrs) == plan.slots
+            self.visible.scatter_(0, plan.addrs.masked_select(ok), plan.slots.masked_select(ok))
+            plan.state = "committed"
+            plan.fence.signal()
+
+    def sync(self) -> None:
+        """Wait for every applied fetch and commit it."""
+        for plan in list(self._pending):
+            if plan.state == "planned":
+                break
+            plan.fence.wait()
+        self.poll()
+
+    def resolve(self, addrs) -> torch.Tensor:
+        """Buffer slot of each remote entry whose row is fetched and committed, else -1."""
+        self.poll()
+        a, shape = self._addrs(addrs, "resolve")
+        is_remote = (a >= 0) & (a % self.placement.world_size != self.placement.rank)
+        return self._out(self.visible, a, is_remote, shape)
+
+    def invalidate(self, addrs) -> int:
+        """Drop the buffered rows of freed entries (every rank calls this with every free);
+        returns how many were buffered. Addresses past the space are ignored."""
+        self.poll()
+        a, _ = self._addrs(addrs, "invalidate", ignore_out_of_range=True)
+        _, u = self._remote_unique(a)
+        if u.numel() == 0:
+            return 0
+        self._wait_for(u)  # a fetch in flight still writes their slots: no reuse before
+        v = self.table.index_select(0, u)
+        held = v >= 0
+        slots = v.masked_select(held)
+        gone = u.masked_select(held)
+        K.reference.fill_at(self.table, gone, -1)
+        K.reference.fill_at(self.visible, gone, -1)
+        self.policy.release(slots)
+        self.pool.release(slots)
+        self.stats.invalidated += slots.numel()
+        return slots.numel()
+
+    def advance_round(self) -> None:
+        """End of a scheduling round: rows used before it may be evicted again."""
+        self.policy.advance_round()
