@@ -58,3 +58,29 @@ def test_device_pool_too_small_names_a_fix_that_applies(chunked):
 def test_host_pool_too_small_for_one_request():
     with pytest.raises(KVBackendError, match="host pool too small.*at least"):
         plan_layout(_config(max_len=4096), _specs(), 1 << 30, UlaSettings(host_pool_gib=0.001))
+
+
+@pytest.mark.parametrize("topk", [64, 24])  # 2048 + 24 is not a whole number of blocks
+def test_suggested_device_budget_is_enough(topk):
+    """The budget the error suggests must start: device slots come in whole blocks."""
+    import re
+    cfg, host = _config(topk=topk), UlaSettings(host_pool_gib=0.01)
+    with pytest.raises(KVBackendError, match="device pool too small") as e:
+        plan_layout(cfg, _specs(), 1_000_000, host)
+    need = int(re.search(r"at least (\d+) bytes", str(e.value)).group(1))
+    lay = plan_layout(cfg, _specs(), need, host)
+    assert lay.device_slots >= 2048 + topk
+    with pytest.raises(KVBackendError, match="device pool too small"):  # and it is the least
+        plan_layout(cfg, _specs(), need - BS * (2 * 576 * 4 + 2 * 128 * 4 + 2), host)
+
+
+@pytest.mark.parametrize("max_len", [225, 1000, 4100])  # 225: 0.001 GiB holds 224 in blocks
+def test_suggested_host_pool_is_enough(max_len):
+    """The host pool the error suggests must hold one request in whole blocks."""
+    import re
+    cfg = _config(max_len=max_len)
+    with pytest.raises(KVBackendError, match="host pool too small") as e:
+        plan_layout(cfg, _specs(), 1 << 30, UlaSettings(host_pool_gib=0.001))
+    gib = float(re.search(r"at least ([0-9.]+)", str(e.value)).group(1))
+    lay = plan_layout(cfg, _specs(), 1 << 30, UlaSettings(host_pool_gib=gib))
+    assert lay.host_slots >= max_len

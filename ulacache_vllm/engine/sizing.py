@@ -64,13 +64,21 @@ def _layer_index(name: str) -> tuple[int, str]:
     return 1 << 30, name
 
 
+def host_tokens_of(host_pool_gib: float, bytes_per_token: int, block_size: int = 1) -> int:
+    """Tokens a host pool of ``host_pool_gib`` holds, in whole blocks."""
+    return (int(host_pool_gib * GIB) // bytes_per_token) // block_size * block_size
+
+
 def check_host_capacity(host_pool_gib: float, host_tokens: int, bytes_per_token: int,
-                        num_layers: int, max_model_len: int) -> None:
+                        num_layers: int, max_model_len: int, block_size: int = 1) -> None:
     """The host pool must hold one request of max_model_len (checked in the front end from the
-    model config, and again in the engine core from the exact layer specs)."""
+    model config, and again in the engine core from the exact layer specs). The suggested size
+    is the least (in MiB-ish steps of 0.001 GiB) that holds it in whole blocks."""
     if host_tokens >= max_model_len:
         return
     need_gib = math.ceil(max_model_len * bytes_per_token / GIB * 1000) / 1000
+    while host_tokens_of(need_gib, bytes_per_token, block_size) < max_model_len:
+        need_gib = round(need_gib + 0.001, 3)
     raise KVBackendError(
         f"ulacache host pool too small: --ula-host-pool-gib {host_pool_gib} holds "
         f"{host_tokens} tokens of sparse-MLA KV ({bytes_per_token} bytes/token over "
@@ -120,16 +128,17 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
     M = sum(row.values())
     I = sum(s.page_size_bytes // s.block_size for s in idx.values())
     P = len(mla)  # placeholder bytes per token (1 per MLA layer)
-    host_bytes = int(settings.host_pool_gib * GIB)
-    host_slots = (host_bytes // M) // bs * bs
+    host_slots = host_tokens_of(settings.host_pool_gib, M, bs)
     device_slots = ((available_bytes - host_slots * (I + P)) // (I + P + M)) // bs * bs
     max_model_len = vllm_config.model_config.max_model_len
     sched = vllm_config.scheduler_config
     topk = getattr(vllm_config.model_config.hf_text_config, "index_topk", 0) or 0
     need_device = sched.max_num_batched_tokens + topk
-    check_host_capacity(settings.host_pool_gib, host_slots, M, len(mla), max_model_len)
+    check_host_capacity(settings.host_pool_gib, host_slots, M, len(mla), max_model_len, bs)
     if device_slots < need_device:
-        need_bytes = need_device * (I + P + M) + host_slots * (I + P)
+        # Device slots come in whole blocks: the suggested budget must give a block count
+        # that covers the need, not just the need in bytes.
+        need_bytes = -(-need_device // bs) * bs * (I + P + M) + host_slots * (I + P)
         if sched.enable_chunked_prefill:
             batch_fix = ", lower --max-num-batched-tokens,"
         else:  # vLLM's CPU build runs MLA without chunked prefill and fixes the batch size

@@ -88,7 +88,7 @@ def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
     hold one request of max_model_len; the engine core re-checks with the exact layer specs."""
     import torch
 
-    from .sizing import GIB, check_host_capacity
+    from .sizing import check_host_capacity, host_tokens_of
 
     mc = vllm_config.model_config
     text = mc.hf_text_config
@@ -98,8 +98,11 @@ def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
     per_token = layers * head * torch.empty((), dtype=dtype).element_size()
     if per_token <= 0:
         return
-    host_tokens = int(settings.host_pool_gib * GIB) // per_token
-    check_host_capacity(settings.host_pool_gib, host_tokens, per_token, layers, mc.max_model_len)
+    # Whole blocks, as the engine core counts them (the block size may still change there; it
+    # checks again with its own).
+    bs = getattr(vllm_config.cache_config, "block_size", None) or 1
+    host_tokens = host_tokens_of(settings.host_pool_gib, per_token, bs)
+    check_host_capacity(settings.host_pool_gib, host_tokens, per_token, layers, mc.max_model_len, bs)
 
 
 def _draft_kv_layers(vllm_config: Any) -> int:
