@@ -26,7 +26,6 @@ Internal table values: -1 unmapped, else ``tier << 32 | slot``. Public packed lo
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -40,6 +39,8 @@ from .fence import Fence
 from .pblru import PBLRU
 from .pblru_bitmap import BitmapPBLRU
 from .placement import Placement
+from .plan_queue import AllEvents as _AllEvents
+from .plan_queue import PlanQueue, as_addresses
 from .policy import EvictionPolicy
 from .pools import CapacityError, SlotPool
 
@@ -74,21 +75,6 @@ class MappingStats:
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
-
-
-class _AllEvents:
-    """The events of one plan's copies (e.g. on different streams) as one event."""
-
-    def __init__(self, events):
-        self.events = events
-
-    def query(self) -> bool:
-        return all(bool(e.query()) for e in self.events)
-
-    def synchronize(self) -> None:
-        for e in self.events:
-            if not e.query():
-                e.synchronize()
 
 
 @dataclass
@@ -174,7 +160,7 @@ class _TimedPolicy(EvictionPolicy):
         return self._t(self.inner.advance_round)
 
 
-class TieredMapping:
+class TieredMapping(PlanQueue):
     def __init__(self, num_logical: int, device_slots: int, host_slots: int, *,
                  device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
                  placement: str = "dp", lru: str = "pblru", ring_size: int = 8,
@@ -188,7 +174,6 @@ class TieredMapping:
         n = max(1, self.placement.num_local(num_logical))
         self.loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        self._last_plan = torch.zeros(n, dtype=torch.int64, device=self.device)
         self._claim = torch.zeros(n, dtype=torch.int64, device=self.device)  # dedup scratch
         self._iota = torch.arange(1024, device=self.device)
         self.dev = SlotPool(device_slots, self.device)
@@ -196,8 +181,7 @@ class TieredMapping:
         self.stats = MappingStats()
         policy = make_policy(lru, device_slots, self.device, ring_size)
         self.policy = _TimedPolicy(policy, self.stats) if profile else policy
-        self._pending: deque[MovePlan] = deque()
-        self._next_plan = 1
+        self._init_plans(n, self.device)  # plans in flight (PlanQueue)
         self._epoch = 0  # bumped by every free, adoption and new plan (see _commit)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
@@ -210,26 +194,8 @@ class TieredMapping:
     def host_used(self) -> int:
         return self.host.num_used
 
-    @property
-    def num_pending(self) -> int:
-        return len(self._pending)
-
     def _addrs(self, addrs, what: str, ignore_out_of_range: bool = False):
-        """``(flat, shape)``: logical addresses as a flat int64 tensor on the mapping's device,
-        and their shape; negative values are padding. Addresses past the address space raise
-        ``KeyError`` (or, with ``ignore_out_of_range``, become padding: never assigned)."""
-        t = torch.as_tensor(addrs, device=self.device)
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise TypeError(f"{what}: logical addresses must be integers, got {t.dtype}")
-        shape = t.shape
-        t = t.to(torch.int64).reshape(-1)
-        if t.numel() and int(t.max()) >= self.num_logical:
-            bad = t >= self.num_logical
-            if ignore_out_of_range:
-                return t.masked_fill(bad, -1), shape
-            raise KeyError(f"{what}: addresses {t.masked_select(bad)[:8].tolist()} are outside "
-                           f"the logical address space [0, {self.num_logical})")
-        return t, shape
+        return as_addresses(addrs, self.device, self.num_logical, what, ignore_out_of_range)
 
     def _local_unique(self, addrs: torch.Tensor):
         """``(is_local, local_idx, unique_local_idx)`` of flat ``_addrs`` output; dedup in
@@ -248,21 +214,6 @@ class TieredMapping:
         self._claim.scatter_(0, sel, pos)
         keep = self._claim.index_select(0, sel) == pos
         return is_local, idx, sel.masked_select(keep)
-
-    def _wait_for(self, u: torch.Tensor) -> None:
-        """Wait for the copies of the pending plans that move entries ``u`` (and of the plans
-        before them: plans commit in order), then commit them."""
-        last = int(self._last_plan.index_select(0, u).max()) if u.numel() else 0
-        if last < self._pending[0].plan_id:
-            return
-        for plan in list(self._pending):
-            if plan.plan_id > last:
-                break
-            if plan.state == "planned":
-                raise RuntimeError(f"move plan {plan.plan_id} was never applied: apply each plan "
-                                   "(in creation order) before using or freeing its entries")
-            plan.fence.wait()
-        self.poll()
 
     def _slots_out(self, is_local, idx, shape) -> torch.Tensor:
         safe = torch.where(is_local, idx, torch.zeros_like(idx))
@@ -494,12 +445,7 @@ class TieredMapping:
             return plan
         if plan._mapping is not self:
             raise ValueError("plan belongs to another mapping")
-        for p in self._pending:
-            if p is plan:
-                break
-            if p.state == "planned":  # a later plan may reuse slots an earlier one still fills
-                raise RuntimeError(f"apply move plans in creation order: plan {p.plan_id} "
-                                   f"comes before plan {plan.plan_id} and was not applied")
+        self._check_apply_order(plan)
         c = plan.num_staged
         stage_idx = torch.arange(c, device=self.device)
         copies = [(HOST, plan.promote_src_host[:c], STAGING, stage_idx),
@@ -522,15 +468,6 @@ class TieredMapping:
         self.poll()
         return plan
 
-    def poll(self) -> None:
-        """Commit, in creation order, every applied plan whose copy has finished."""
-        while self._pending:
-            plan = self._pending[0]
-            if plan.state != "copied" or not plan.fence.copy_done():
-                return
-            self._pending.popleft()
-            self._commit(plan)
-
     def _commit(self, plan: MovePlan) -> None:
         e, v = plan._entries, plan._new_vals
         if plan._epoch == self._epoch:  # nothing freed, adopted or planned since: all valid
@@ -540,12 +477,3 @@ class TieredMapping:
             ok = (self._last_plan.index_select(0, e) == plan.plan_id) & (
                 self.loc.index_select(0, e) == v)
             self.visible.scatter_(0, e.masked_select(ok), v.masked_select(ok))
-        plan.state = "committed"
-        plan.fence.signal()
-
-    def sync(self) -> None:
-        """Wait for every applied plan's copy and commit them (un-applied plans stay pending)."""
-        for plan in list(self._pending):
-            if plan.state == "copied":
-                plan.fence.wait()
-        self.poll()

@@ -24,7 +24,6 @@ marked as used in the round, as in ``TieredMapping.ensure_resident``).
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -33,8 +32,9 @@ import torch
 from ulacache_vllm import kernels as K
 
 from .fence import Fence
-from .mapping import _AllEvents, make_policy
+from .mapping import make_policy
 from .placement import Placement
+from .plan_queue import AllEvents, PlanQueue, as_addresses
 from .pools import CapacityError, SlotPool
 
 # fetch_fn(owner_ranks, addrs, dst_slots) copies the rows of ``addrs`` (owned by
@@ -70,7 +70,10 @@ class RemoteBufferStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
-class RemoteRowBuffer:
+class RemoteRowBuffer(PlanQueue):
+    ISSUED = "fetched"
+    KIND = "fetch"
+
     def __init__(self, num_logical: int, num_slots: int, *, rank: int, world_size: int,
                  device: torch.device | str = "cpu", lru: str = "pblru", ring_size: int = 8):
         if num_slots < 1:
@@ -82,12 +85,10 @@ class RemoteRowBuffer:
         self.table = torch.full((n,), -1, dtype=torch.int64, device=self.device)    # planned
         self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)  # fetched
         self._claim = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self._last_plan = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.pool = SlotPool(num_slots, self.device)  # owner = the buffered address
         self.policy = make_policy(lru, num_slots, self.device, ring_size)
         self.stats = RemoteBufferStats()
-        self._pending: deque[FetchPlan] = deque()
-        self._next_plan = 1
+        self._init_plans(n, self.device)  # fetches in flight (PlanQueue)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
     @property
@@ -100,18 +101,7 @@ class RemoteRowBuffer:
 
     # ------------------------------------------------------------------ helpers
     def _addrs(self, addrs, what: str, ignore_out_of_range: bool = False):
-        t = torch.as_tensor(addrs, device=self.device)
-        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
-            raise TypeError(f"{what}: logical addresses must be integers, got {t.dtype}")
-        shape = t.shape
-        t = t.to(torch.int64).reshape(-1)
-        if t.numel() and int(t.max()) >= self.num_logical:
-            bad = t >= self.num_logical
-            if ignore_out_of_range:
-                return t.masked_fill(bad, -1), shape
-            raise KeyError(f"{what}: addresses {t.masked_select(bad)[:8].tolist()} are outside "
-                           f"the logical address space [0, {self.num_logical})")
-        return t, shape
+        return as_addresses(addrs, self.device, self.num_logical, what, ignore_out_of_range)
 
     def _remote_unique(self, a: torch.Tensor):
         """``(is_remote, unique remote addresses)``: dedup in O(n) via a claim table."""
@@ -127,22 +117,6 @@ class RemoteRowBuffer:
     def _out(self, table, a, is_remote, shape) -> torch.Tensor:
         safe = torch.where(is_remote, a, torch.zeros_like(a))
         return torch.where(is_remote, table.index_select(0, safe), torch.full_like(a, -1)).reshape(shape)
-
-    def _wait_for(self, u: torch.Tensor) -> None:
-        """Commit the fetches (and those before them) that still write entries ``u``."""
-        if not self._pending or u.numel() == 0:
-            return
-        last = int(self._last_plan.index_select(0, u).max())
-        if last < self._pending[0].plan_id:
-            return
-        for plan in list(self._pending):
-            if plan.plan_id > last:
-                break
-            if plan.state == "planned":
-                raise RuntimeError(f"fetch plan {plan.plan_id} was never applied: apply each "
-                                   "plan (in creation order) before using its entries")
-            plan.fence.wait()
-        self.poll()
 
     # ------------------------------------------------------------------ API
     def lookup(self, addrs):
@@ -200,39 +174,17 @@ class RemoteRowBuffer:
             return plan
         if plan._buffer is not self:
             raise ValueError("plan belongs to another remote-row buffer")
-        if self._pending and self._pending[0] is not plan:
-            for p in self._pending:
-                if p is plan:
-                    break
-                if p.state == "planned":
-                    raise RuntimeError(f"apply fetch plans in creation order: plan {p.plan_id} "
-                                       f"comes before plan {plan.plan_id} and was not applied")
+        self._check_apply_order(plan)
         ev = fetch_fn(plan.owners, plan.addrs, plan.slots)
-        plan.fence.event = ev if not isinstance(ev, list) else _AllEvents(ev)
+        plan.fence.event = AllEvents(ev) if isinstance(ev, list) else ev
         plan.state = "fetched"
         self.poll()
         return plan
 
-    def poll(self) -> None:
-        """Commit, in creation order, every applied plan whose fetch has finished."""
-        while self._pending:
-            plan = self._pending[0]
-            if plan.state != "fetched" or not plan.fence.copy_done():
-                return
-            self._pending.popleft()
-            # Entries invalidated or evicted (and maybe re-fetched) since: not this plan's.
-            ok = self.table.index_select(0, plan.addrs) == plan.slots
-            self.visible.scatter_(0, plan.addrs.masked_select(ok), plan.slots.masked_select(ok))
-            plan.state = "committed"
-            plan.fence.signal()
-
-    def sync(self) -> None:
-        """Wait for every applied fetch and commit it."""
-        for plan in list(self._pending):
-            if plan.state == "planned":
-                break
-            plan.fence.wait()
-        self.poll()
+    def _commit(self, plan: FetchPlan) -> None:
+        # Entries invalidated or evicted (and maybe re-fetched) since: not this plan's.
+        ok = self.table.index_select(0, plan.addrs) == plan.slots
+        self.visible.scatter_(0, plan.addrs.masked_select(ok), plan.slots.masked_select(ok))
 
     def resolve(self, addrs) -> torch.Tensor:
         """Buffer slot of each remote entry whose row is fetched and committed, else -1."""

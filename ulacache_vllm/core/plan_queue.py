@@ -1,0 +1,115 @@
+"""The shared half of the ordering rule *copy data -> update mapping -> signal*.
+
+``TieredMapping`` (move plans) and ``RemoteRowBuffer`` (fetch plans) both hand out plans that
+the caller applies in creation order; an applied plan is committed (its entries become visible)
+only once its copy's event reports completion, oldest first, and then its fence is signalled.
+``PlanQueue`` holds that machinery: the queue of plans in flight, per entry the id of the last
+plan that writes it (so a use or free of an entry waits for exactly the copies it needs), and
+the creation-order check. Also here: the validation of logical addresses both tables share.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+def as_addresses(addrs, device: torch.device, num_logical: int, what: str,
+                 ignore_out_of_range: bool = False):
+    """``(flat, shape)``: logical addresses as a flat int64 tensor on ``device`` and their
+    shape; negative values are padding. Addresses past the address space raise ``KeyError``
+    (or, with ``ignore_out_of_range``, become padding); non-integers raise ``TypeError``."""
+    t = torch.as_tensor(addrs, device=device)
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+        raise TypeError(f"{what}: logical addresses must be integers, got {t.dtype}")
+    shape = t.shape
+    t = t.to(torch.int64).reshape(-1)
+    if t.numel() and int(t.max()) >= num_logical:
+        bad = t >= num_logical
+        if ignore_out_of_range:
+            return t.masked_fill(bad, -1), shape
+        raise KeyError(f"{what}: addresses {t.masked_select(bad)[:8].tolist()} are outside "
+                       f"the logical address space [0, {num_logical})")
+    return t, shape
+
+
+class AllEvents:
+    """The events of one plan's copies (e.g. on different streams) as one event."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def query(self) -> bool:
+        return all(bool(e.query()) for e in self.events)
+
+    def synchronize(self) -> None:
+        for e in self.events:
+            if not e.query():
+                e.synchronize()
+
+
+class PlanQueue:
+    """Mixin: plans carry ``plan_id``, ``state`` ("planned" -> ``ISSUED`` -> "committed") and
+    ``fence``; the owner defines ``_commit(plan)``."""
+
+    ISSUED = "copied"   # a plan's state once its copies are issued
+    KIND = "move"       # for messages
+
+    def _init_plans(self, num_entries: int, device: torch.device) -> None:
+        self._pending: deque = deque()
+        self._next_plan = 1
+        self._last_plan = torch.zeros(num_entries, dtype=torch.int64, device=device)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def _wait_for(self, u: torch.Tensor) -> None:
+        """Wait for the copies of the pending plans that write entries ``u`` (and of the plans
+        before them: plans commit in order), then commit them."""
+        if not self._pending or u.numel() == 0:
+            return
+        last = int(self._last_plan.index_select(0, u).max())
+        if last < self._pending[0].plan_id:
+            return
+        for plan in list(self._pending):
+            if plan.plan_id > last:
+                break
+            if plan.state == "planned":
+                raise RuntimeError(f"{self.KIND} plan {plan.plan_id} was never applied: apply "
+                                   "each plan (in creation order) before using or freeing its "
+                                   "entries")
+            plan.fence.wait()
+        self.poll()
+
+    def _check_apply_order(self, plan) -> None:
+        """A later plan may reuse slots an earlier one still fills: apply in creation order."""
+        for p in self._pending:
+            if p is plan:
+                break
+            if p.state == "planned":
+                raise RuntimeError(f"apply {self.KIND} plans in creation order: plan "
+                                   f"{p.plan_id} comes before plan {plan.plan_id} and was not "
+                                   "applied")
+
+    def poll(self) -> None:
+        """Commit, in creation order, every applied plan whose copy has finished."""
+        while self._pending:
+            plan = self._pending[0]
+            if plan.state != self.ISSUED or not plan.fence.copy_done():
+                return
+            self._pending.popleft()
+            self._commit(plan)
+            plan.state = "committed"
+            plan.fence.signal()
+
+    def sync(self) -> None:
+        """Wait for every applied plan's copy and commit them (un-applied plans stay pending)."""
+        for plan in list(self._pending):
+            if plan.state == self.ISSUED:
+                plan.fence.wait()
+        self.poll()
+
+    def _commit(self, plan) -> None:
+        raise NotImplementedError
