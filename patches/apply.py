@@ -5,12 +5,14 @@ from . import (
     cli_args,
     cpu_sparse_attention,
     engine_config,
+    engine_startup_error,
     kv_cache_sizing,
     llm_kwargs,
     rotary_cpu,
 )
 
-ALL = (cli_args, llm_kwargs, engine_config, rotary_cpu, cpu_sparse_attention, kv_cache_sizing)
+ALL = (cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu, cpu_sparse_attention,
+       kv_cache_sizing)
 
 
 def apply_all() -> None:

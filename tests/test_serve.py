@@ -120,3 +120,29 @@ def test_concurrent_completions_move_ulacache_metrics(server):
         assert _metric(after, name) > _metric(before, name), (name, after[-3000:])
     assert _metric(after, "vllm:ulacache_device_capacity") > 0
     assert "ulacache KV:" in log.read_text()  # startup summary line
+
+
+def test_engine_core_refusal_ends_serve_with_the_fix(tiny_model, tmp_path):
+    """A KV budget too small for one step is only known inside the engine core: `vllm serve`
+    must still end with ulacache's message (the numbers and the fix), not vLLM's generic
+    "Engine core initialization failed", and leave no error file behind."""
+    import glob
+    import tempfile
+
+    model = tiny_model("deepseek_v32")
+    pattern = os.path.join(tempfile.gettempdir(), "ulacache-error-*")
+    before = set(glob.glob(pattern))
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    vllm_bin = Path(sys.executable).parent / "vllm"
+    res = subprocess.run(
+        [str(vllm_bin), "serve", str(model), "--kv-backend", "ulacache", "--dtype", "float32",
+         "--ula-host-pool-gib", "0.006", "--kv-cache-memory-bytes", "1000000",
+         "--max-model-len", "1024", "--port", str(_free_port())],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert res.returncode != 0
+    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    err = [ln for ln in lines if "KVBackendError" in ln]
+    assert err and "device pool too small" in err[-1] and "at least" in err[-1], lines[-20:]
+    assert not any("Engine core initialization failed" in ln for ln in lines[-5:]), lines[-5:]
+    assert set(glob.glob(pattern)) <= before, "an error file was left behind"

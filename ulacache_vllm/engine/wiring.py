@@ -120,13 +120,25 @@ def _draft_kv_layers(vllm_config: Any) -> int:
 
 def set_error_file() -> None:
     """A fresh path for engine-core errors of this engine (config.report_engine_error)."""
+    import atexit
     import os
     import tempfile
 
     from .config import ERROR_FILE_ENV
 
-    os.environ[ERROR_FILE_ENV] = os.path.join(
-        tempfile.gettempdir(), f"ulacache-error-{os.getpid()}-{os.urandom(6).hex()}.txt")
+    path = os.path.join(tempfile.gettempdir(),
+                        f"ulacache-error-{os.getpid()}-{os.urandom(6).hex()}.txt")
+    os.environ[ERROR_FILE_ENV] = path
+    atexit.register(_remove_quietly, path)  # a message nobody read must not stay behind
+
+
+def _remove_quietly(path: str) -> None:
+    import os
+
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def keep_cpu_core_reservation(vllm_config: Any) -> None:
