@@ -278,3 +278,23 @@ def test_tp_benchmark_replay_saves_fetches():
         demand = bench.remote_demand(tr, P)
         r = bench.replay(tr, P, demand)  # a round's remote rows always fit
         assert 0 < r["fetched"] < r["unbuffered"] and r["hit_rate"] > 0
+
+
+def test_a_miss_does_not_wait_for_an_old_fetch_of_the_same_address():
+    """Only rows the buffer holds wait for their fetch: an address evicted while its old fetch
+    is still in flight is a plain miss (waiting would block on an unrelated copy)."""
+    b = RemoteRowBuffer(16, 1, rank=0, world_size=2)
+    _, p1 = b.lookup(torch.tensor([1]))
+    ev = ManualEvent()
+    b.apply(p1, lambda *a: ev)  # in flight
+    b.advance_round()
+    _, p3 = b.lookup(torch.tensor([3]))  # evicts 1 while its fetch is in flight
+    b.apply(p3, lambda *a: None)
+    b.advance_round()
+    slots, p1b = b.lookup(torch.tensor([1]))  # ManualEvent.synchronize() would raise here
+    assert p1b.addrs.tolist() == [1] and not p1.fence.completed
+    assert b.invalidate(torch.tensor([3])) == 0  # evicted: nothing held, nothing to wait for
+    b.apply(p1b, lambda *a: None)
+    ev.set()
+    b.sync()
+    assert b.resolve(torch.tensor([1, 3])).tolist() == [slots.item(), -1]

@@ -128,8 +128,10 @@ class RemoteRowBuffer(PlanQueue):
         self.poll()
         a, shape = self._addrs(addrs, "lookup")
         is_remote, u = self._remote_unique(a)
-        self._wait_for(u)  # a hit on a row still being fetched is read after that fetch
-        hit, _ = self.policy.hit_touch(self.table.index_select(0, u))
+        v = self.table.index_select(0, u)
+        if self._pending:  # a hit on a row still being fetched is read after that fetch
+            self._wait_for(u.masked_select(v >= 0))
+        hit, _ = self.policy.hit_touch(v)
         miss = K.compact(u, ~hit)
         m = miss.numel()
         self.stats.lookups += u.numel()
@@ -201,9 +203,10 @@ class RemoteRowBuffer(PlanQueue):
         _, u = self._remote_unique(a)
         if u.numel() == 0:
             return 0
-        self._wait_for(u)  # a fetch in flight still writes their slots: no reuse before
         v = self.table.index_select(0, u)
         held = v >= 0
+        if self._pending:  # a fetch in flight still writes their slots: no reuse before
+            self._wait_for(u.masked_select(held))
         slots = v.masked_select(held)
         gone = u.masked_select(held)
         K.reference.fill_at(self.table, gone, -1)
