@@ -115,6 +115,7 @@ _MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the sca
 _MIN_WINDOW = 1024
 _OVERSCAN = 1.1
 _PASS_MIN = 4096  # entries a compaction pass advances at least per push
+_POLICY_CALLS = ("hit_touch", "touch", "release", "select_victims", "advance_round")
 
 
 class PBLRU(EvictionPolicy):
@@ -140,6 +141,13 @@ class PBLRU(EvictionPolicy):
         # The small-pool fast path: same victims (exact LRU), one top-k per selection.
         small = small_pool_threshold() if small_pool_slots is None else small_pool_slots
         self._small = TimestampLRU(S, self.device) if S <= small else None
+        # The small-pool path calls the scan's methods directly (instance attributes shadow
+        # this class's): no per-call indirection, so batch-1 pools cost what the scan costs.
+        for name in _POLICY_CALLS:
+            if self._small is not None:
+                setattr(self, name, getattr(self._small, name))
+            else:
+                self.__dict__.pop(name, None)  # (a re-__init__ may switch paths)
         if self._small is not None:
             S = Q = 0  # the queue is never used
         # Slot S is a dummy that is never tracked: it pads the queue's end when a push wraps.
@@ -269,8 +277,6 @@ class PBLRU(EvictionPolicy):
 
     # ------------------------------------------------------------------ policy API
     def hit_touch(self, loc_vals):
-        if self._small is not None:
-            return self._small.hit_touch(loc_vals)
         bound = min(loc_vals.numel(), self.num_slots)  # hits are distinct device slots
         t = self._room(bound)
         hit, hs = self._k.hit_touch_push(loc_vals, self.qslot, self.qpos, t, self.iota)
@@ -278,21 +284,15 @@ class PBLRU(EvictionPolicy):
         return hit, hs
 
     def touch(self, slots):
-        if self._small is not None:
-            return self._small.touch(slots)
         n = slots.numel()
         if n:
             self._push(slots, n)
 
     def release(self, slots):
-        if self._small is not None:
-            return self._small.release(slots)
         if slots.numel():
             K.reference.fill_at(self.qpos, slots, UNTRACKED)
 
     def select_victims(self, k: int) -> torch.Tensor:
-        if self._small is not None:
-            return self._small.select_victims(k)
         if k <= 0:
             return self._empty
         qp = self.qpos
@@ -350,8 +350,6 @@ class PBLRU(EvictionPolicy):
         return vic
 
     def advance_round(self) -> None:
-        if self._small is not None:
-            return self._small.advance_round()
         self.cur_start = self.tail
         self.round += 1
 
