@@ -457,3 +457,21 @@ def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "lots")
     with pytest.raises(ValueError, match="ULACACHE_PBLRU_SMALL_POOL_SLOTS must be an integer"):
         PB(10, "cpu")
+
+
+def test_small_pool_calls_go_to_the_scan_and_a_re_init_switches_paths():
+    """Small pools call the timestamp scan's methods directly; re-running __init__ with other
+    sizes (as the benchmark does) must switch both ways without stale bindings."""
+    PB = pblru_mod.PBLRU
+    p = PB(64, "cpu", small_pool_slots=100)
+    assert p.select_victims == p._small.select_victims and p.victim_path == "scan"
+    p.touch(torch.arange(4))
+    p.advance_round()
+    assert p.select_victims(2).tolist() == [0, 1]
+    p.__init__(64, "cpu", small_pool_slots=0)  # now the queue
+    assert "select_victims" not in vars(p) and p.victim_path == "queue"
+    p.touch(torch.arange(4))
+    p.advance_round()
+    assert p.select_victims(2).tolist() == [0, 1]
+    p.__init__(64, "cpu", small_pool_slots=100)  # and back
+    assert p.touch == p._small.touch

@@ -298,3 +298,46 @@ def test_a_miss_does_not_wait_for_an_old_fetch_of_the_same_address():
     ev.set()
     b.sync()
     assert b.resolve(torch.tensor([1, 3])).tolist() == [slots.item(), -1]
+
+
+@pytest.mark.parametrize("lru", POLICIES)
+def test_old_fetch_never_publishes_a_slot_a_later_fetch_rewrites(lru):
+    """Evicted and fetched back into the same slot while the first fetch is in flight: the
+    first fetch's completion must not make the address visible (the slot is still being
+    rewritten by the later fetches on the in-order stream)."""
+    b = RemoteRowBuffer(16, 1, rank=0, world_size=2, lru=lru)
+    evs = []
+    for a in (1, 3, 1):  # 1 -> slot 0, 3 evicts it, 1 evicts 3: all into slot 0
+        _, p = b.lookup(torch.tensor([a]))
+        evs.append(ManualEvent())
+        b.apply(p, lambda *x, e=evs[-1]: e)
+        b.advance_round()
+    evs[0].set()
+    assert b.resolve(torch.tensor([1, 3])).tolist() == [-1, -1]
+    evs[1].set()
+    assert b.resolve(torch.tensor([1, 3])).tolist() == [-1, -1]
+    evs[2].set()
+    assert b.resolve(torch.tensor([1, 3])).tolist() == [0, -1]
+
+
+def test_empty_lists_huge_addresses_and_foreign_plans():
+    b = RemoteRowBuffer(16, 4, rank=0, world_size=2)
+    slots, plan = b.lookup([])
+    assert slots.numel() == 0 and plan.empty
+    assert b.invalidate([]) == 0 and b.resolve([]).numel() == 0
+    with pytest.raises(KeyError, match="outside"):
+        b.lookup([2**63])
+    m = TieredMapping(16, 4, 4)
+    m.assign(torch.arange(4))
+    m.advance_round()
+    _, mplan = m.assign(torch.arange(4, 8))  # a move plan (victims to host), not a fetch plan
+    assert not mplan.empty
+    with pytest.raises(ValueError, match="another"):
+        b.apply(mplan, lambda *a: None)
+    _, p = b.lookup([1, 3])
+    evs = (ManualEvent(), ManualEvent())
+    b.apply(p, lambda *a: evs)  # several events (a tuple): visible once all are done
+    evs[0].set()
+    assert b.resolve([1]).item() == -1
+    evs[1].set()
+    assert b.resolve([1]).item() >= 0

@@ -20,7 +20,15 @@ def as_addresses(addrs, device: torch.device, num_logical: int, what: str,
     """``(flat, shape)``: logical addresses as a flat int64 tensor on ``device`` and their
     shape; negative values are padding. Addresses past the address space raise ``KeyError``
     (or, with ``ignore_out_of_range``, become padding); non-integers raise ``TypeError``."""
-    t = torch.as_tensor(addrs, device=device)
+    try:
+        t = torch.as_tensor(addrs, device=device)
+    except (OverflowError, RuntimeError, ValueError) as e:
+        if "overflow" not in str(e).lower():
+            raise
+        raise KeyError(f"{what}: addresses outside the logical address space [0, {num_logical}) "
+                       f"(too large for int64)") from None
+    if t.numel() == 0 and t.is_floating_point():
+        t = t.long()  # torch.as_tensor([]) is float32: an empty list is no addresses
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{what}: logical addresses must be integers, got {t.dtype}")
     shape = t.shape

@@ -174,18 +174,21 @@ class RemoteRowBuffer(PlanQueue):
         """Fetch the rows, then (once the fetch is done) make them visible, then signal."""
         if plan.state != "planned":
             return plan
-        if plan._buffer is not self:
+        if getattr(plan, "_buffer", None) is not self:
             raise ValueError("plan belongs to another remote-row buffer")
         self._check_apply_order(plan)
         ev = fetch_fn(plan.owners, plan.addrs, plan.slots)
-        plan.fence.event = AllEvents(ev) if isinstance(ev, list) else ev
+        plan.fence.event = AllEvents(list(ev)) if isinstance(ev, (list, tuple)) else ev
         plan.state = "fetched"
         self.poll()
         return plan
 
     def _commit(self, plan: FetchPlan) -> None:
-        # Entries invalidated or evicted (and maybe re-fetched) since: not this plan's.
-        ok = self.table.index_select(0, plan.addrs) == plan.slots
+        # Entries invalidated or evicted since are not this plan's any more, nor are entries a
+        # later plan fetches again -- even into the same slot (evicted and fetched back): that
+        # later fetch may still be overwriting the slot.
+        ok = (self.table.index_select(0, plan.addrs) == plan.slots) & (
+            self._last_plan.index_select(0, plan.addrs) == plan.plan_id)
         self.visible.scatter_(0, plan.addrs.masked_select(ok), plan.slots.masked_select(ok))
 
     def resolve(self, addrs) -> torch.Tensor:
