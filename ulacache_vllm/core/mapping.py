@@ -40,7 +40,7 @@ from .pblru import PBLRU
 from .pblru_bitmap import BitmapPBLRU
 from .placement import Placement
 from .plan_queue import AllEvents as _AllEvents
-from .plan_queue import PlanQueue, as_addresses
+from .plan_queue import PlanQueue, UniqueAddresses, as_addresses
 from .policy import EvictionPolicy
 from .pools import CapacityError, SlotPool
 
@@ -174,8 +174,7 @@ class TieredMapping(PlanQueue):
         n = max(1, self.placement.num_local(num_logical))
         self.loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)
         self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        self._claim = torch.zeros(n, dtype=torch.int64, device=self.device)  # dedup scratch
-        self._iota = torch.arange(1024, device=self.device)
+        self._unique = UniqueAddresses(n, self.device)
         self.dev = SlotPool(device_slots, self.device)
         self.host = SlotPool(host_slots, self.device)
         self.stats = MappingStats()
@@ -201,19 +200,7 @@ class TieredMapping(PlanQueue):
         """``(is_local, local_idx, unique_local_idx)`` of flat ``_addrs`` output; dedup in
         O(n) via a claim table."""
         is_local, idx = self.placement.local(addrs)
-        sel = idx.masked_select(is_local)
-        if sel.numel() <= 1:
-            return is_local, idx, sel
-        n = sel.numel()
-        if self._iota.numel() < n:
-            self._iota = torch.arange(max(n, 2 * self._iota.numel()), device=self.device)
-        pos = self._iota[:n]
-        # Every occurrence writes its position; exactly one write per address survives (the
-        # last on CPU, an arbitrary one on CUDA): that occurrence is the one kept. No reset
-        # is needed, every address read here was written by this call.
-        self._claim.scatter_(0, sel, pos)
-        keep = self._claim.index_select(0, sel) == pos
-        return is_local, idx, sel.masked_select(keep)
+        return is_local, idx, self._unique(idx.masked_select(is_local))
 
     def _slots_out(self, is_local, idx, shape) -> torch.Tensor:
         safe = torch.where(is_local, idx, torch.zeros_like(idx))

@@ -5,7 +5,8 @@ the caller applies in creation order; an applied plan is committed (its entries 
 only once its copy's event reports completion, oldest first, and then its fence is signalled.
 ``PlanQueue`` holds that machinery: the queue of plans in flight, per entry the id of the last
 plan that writes it (so a use or free of an entry waits for exactly the copies it needs), and
-the creation-order check. Also here: the validation of logical addresses both tables share.
+the creation-order check. Also here: the validation of logical addresses both tables share,
+and their O(n) dedup of a batch of addresses.
 """
 
 from __future__ import annotations
@@ -40,6 +41,28 @@ def as_addresses(addrs, device: torch.device, num_logical: int, what: str,
         raise KeyError(f"{what}: addresses {t.masked_select(bad)[:8].tolist()} are outside "
                        f"the logical address space [0, {num_logical})")
     return t, shape
+
+
+class UniqueAddresses:
+    """O(n) dedup of addresses in ``[0, n)`` through a claim table (no sort)."""
+
+    def __init__(self, n: int, device: torch.device):
+        self._claim = torch.zeros(max(1, n), dtype=torch.int64, device=device)
+        self._iota = torch.arange(1024, device=device)
+
+    def __call__(self, sel: torch.Tensor) -> torch.Tensor:
+        """The distinct values of ``sel`` (one occurrence of each, in input order)."""
+        n = sel.numel()
+        if n <= 1:
+            return sel
+        if self._iota.numel() < n:
+            self._iota = torch.arange(max(n, 2 * self._iota.numel()), device=self._iota.device)
+        pos = self._iota[:n]
+        # Every occurrence writes its position; exactly one write per address survives (the
+        # last on CPU, an arbitrary one on CUDA): that occurrence is the one kept. No reset
+        # is needed, every address read here was written by this call.
+        self._claim.scatter_(0, sel, pos)
+        return sel.masked_select(self._claim.index_select(0, sel) == pos)
 
 
 class AllEvents:

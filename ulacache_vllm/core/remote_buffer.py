@@ -34,7 +34,7 @@ from ulacache_vllm import kernels as K
 from .fence import Fence
 from .mapping import make_policy
 from .placement import Placement
-from .plan_queue import AllEvents, PlanQueue, as_addresses
+from .plan_queue import AllEvents, PlanQueue, UniqueAddresses, as_addresses
 from .pools import CapacityError, SlotPool
 
 # fetch_fn(owner_ranks, addrs, dst_slots) copies the rows of ``addrs`` (owned by
@@ -84,7 +84,7 @@ class RemoteRowBuffer(PlanQueue):
         n = max(1, num_logical)
         self.table = torch.full((n,), -1, dtype=torch.int64, device=self.device)    # planned
         self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)  # fetched
-        self._claim = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._unique = UniqueAddresses(n, self.device)
         self.pool = SlotPool(num_slots, self.device)  # owner = the buffered address
         self.policy = make_policy(lru, num_slots, self.device, ring_size)
         self.stats = RemoteBufferStats()
@@ -107,12 +107,7 @@ class RemoteRowBuffer(PlanQueue):
         """``(is_remote, unique remote addresses)``: dedup in O(n) via a claim table."""
         P = self.placement.world_size
         is_remote = (a >= 0) & (a % P != self.placement.rank)
-        sel = a.masked_select(is_remote)
-        if sel.numel() > 1:
-            pos = torch.arange(sel.numel(), device=self.device)
-            self._claim.scatter_(0, sel, pos)
-            sel = sel.masked_select(self._claim.index_select(0, sel) == pos)
-        return is_remote, sel
+        return is_remote, self._unique(a.masked_select(is_remote))
 
     def _out(self, table, a, is_remote, shape) -> torch.Tensor:
         safe = torch.where(is_remote, a, torch.zeros_like(a))
