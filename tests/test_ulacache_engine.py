@@ -178,3 +178,43 @@ def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
     m = ula["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0, m
     assert m["vllm:ulacache_promotions"] > 0 and m["vllm:ulacache_demotions"] > 0, m
+
+
+TP_SCRIPT = r"""
+from vllm import LLM, SamplingParams
+llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
+          max_num_seqs=8, seed=0, tensor_parallel_size=2, disable_log_stats=False, **ARGS["kw"])
+words = "one two three four five six seven eight nine ten eleven twelve".split()
+# ~3.3k prompt tokens + 8 x 128 decoded: more than the ~2.7k-slot device pool holds.
+prompts = [" ".join(words[(i * 5 + j * (i + 2)) % len(words)] for j in range(120 + 40 * i))
+           for i in range(8)]
+outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
+m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()
+     if x.name.startswith("vllm:ulacache_")}
+usage = llm.collective_rpc("ulacache_usage") if ARGS["kw"]["kv_backend"] == "ulacache" else None
+emit({"out": [o.outputs[0].token_ids for o in outs], "metrics": m, "usage": usage})
+"""
+
+
+def test_tensor_parallel_2_parity_under_pressure(tiny_model):
+    """``tensor_parallel_size=2``: each TP rank keeps its own store of the (replicated, as in
+    stock vLLM) MLA rows and makes the same placement decisions; greedy output matches stock
+    TP=2 with the host tier in use, and every rank ends with its pools empty."""
+    model = str(tiny_model("deepseek_v32"))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    ref = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
+        "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900, env=env)
+    ula = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
+        "kv_backend": "ulacache", "kv_cache_memory_bytes": ULA_KV_BYTES,
+        "ula_host_pool_gib": ULA_HOST_GIB}}, timeout=900, env=env)
+    assert ula["out"] == ref["out"]
+    m = ula["metrics"]
+    assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
+    assert len(ula["usage"]) == 2, ula["usage"]  # one store per TP rank
+    for u in ula["usage"]:
+        assert u["device_used"] == 0 and u["host_used"] == 0, u
+    # Replicas: both ranks made the same moves, and /metrics counts them once, not per rank.
+    t0, t1 = (u["totals"] for u in ula["usage"])
+    assert t0 == t1
+    assert m["vllm:ulacache_promotions"] == t0["promotions"], (m, t0)
+    assert m["vllm:ulacache_demotions"] == t0["demotions"], (m, t0)

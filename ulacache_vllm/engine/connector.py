@@ -79,6 +79,10 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
             trace_file = trace_file_for(self._settings.trace_path, pc.data_parallel_rank,
                                         pc.data_parallel_size)
         self.store = UlaWorkerStore(layout, self._settings, ctx, device, trace_file)
+        # vLLM adds up the connector stats of all of an engine's workers. TP ranks hold
+        # replicas of the same rows and make the same moves: one rank's counters are the
+        # engine's (all of them would count every lookup and move P times).
+        self._reports_stats = _tp_rank() == 0
         logger.info("ulacache worker store ready: %s", layout.summary(
             self._vllm_config.model_config.max_model_len))
 
@@ -102,7 +106,7 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM ships connector stats through the scheduler to the stat loggers every step it
         # gets them; that costs ~1-2 ms per step on a small CPU model, so report when pages
         # moved or pools changed, and otherwise every STATS_EVERY steps (counters accumulate).
-        if self.store is None or not self.store.stats_due(STATS_EVERY):
+        if self.store is None or not self._reports_stats or not self.store.stats_due(STATS_EVERY):
             return None
         c = self.store.take_counters()
         data = {k: getattr(c, k) for k in c.__dataclass_fields__}
@@ -117,6 +121,15 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         return UlaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+
+def _tp_rank() -> int:
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        return ps.get_tp_group().rank_in_group
+    except AssertionError:  # groups not initialised (single-process tests)
+        return 0
 
 
 def _first_worker_of_engine() -> bool:
