@@ -131,12 +131,48 @@ def test_loader_rejects_malformed_npz(tmp_path, over, msg):
     ({"step": 0, "kind": "select", "addr": [0, 1], "req": [3]}, "'req' has 1 entries"),
     ({"step": 0, "kind": "append", "addr": [-1]}, "'addr' value -1"),
     ([1, 2], "must be a JSON object"),
+    ({"step": 2**63, "kind": "free", "addr": [1]}, "line 2: OverflowError"),
+    ({"step": 0, "group": 2**64, "kind": "free", "addr": [1]}, "line 2: OverflowError"),
+    ({"step": 0, "kind": ["free"], "addr": [1]}, "line 2: TypeError"),
+    ({"step": 0, "kind": "free", "addr": [1], "req": 2**64}, "line 2: OverflowError"),
+    ({"step": 0, "kind": "free", "addr": [1, [2]]}, "line 2: ValueError"),
 ])
 def test_loader_rejects_malformed_jsonl(tmp_path, line, msg):
     p = tmp_path / "t.jsonl"
     p.write_text(json.dumps({"num_logical": 8}) + "\n" + json.dumps(line) + "\n")
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=msg) as e:
         load_trace(str(p))
+    assert str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "corrupt_member", "object_array"])
+def test_loader_names_unreadable_npz_files(tmp_path, trace, damage):
+    """Empty, truncated or corrupted archives and pickled object arrays are a ValueError
+    naming the file (not EOFError / BadZipFile / zlib.error)."""
+    good, p = tmp_path / "good.npz", tmp_path / "bad.npz"
+    save_trace(trace, str(good))
+    raw = good.read_bytes()
+    if damage == "object_array":
+        _npz(p, addr=np.array([0, [1]], dtype=object))
+    else:
+        bad = {"empty": b"", "truncated": raw[: len(raw) // 2],
+               "corrupt_member": raw[:60] + b"\0" * 20 + raw[80:]}[damage]
+        p.write_bytes(bad)
+    with pytest.raises(ValueError, match="unreadable npz") as e:
+        load_trace(str(p))
+    assert str(p) in str(e.value)
+
+
+def test_generator_writes_the_whole_prompt_of_a_request_without_decode_steps():
+    tr = generate_dsa_trace(num_steps=6, batch=1, topk=4, prompt_len=(10, 10), decode_len=(0, 0),
+                            prefill_chunk=4)
+    appended = []
+    for s in tr.steps:
+        if s.free_addr.numel():
+            assert sorted(s.free_addr.tolist()) == sorted(appended)  # freed once fully written
+            break
+        appended += s.append_addr.tolist()
+    assert len(appended) == 10
 
 
 def test_loader_sniffs_and_save_keeps_the_name(tmp_path, trace):

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import json
 import numbers
+import zipfile
+import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,7 +108,9 @@ def generate_dsa_trace(*, num_steps: int = 128, batch: int = 8, topk: int = 256,
         admit()
     for s in range(num_steps):
         free_a, app_a, sel_a, sel_r = [], [], [], []
-        for r in [r for r, st in live.items() if st["decode"] <= 0]:
+        # Finished: prompt written and decoded (a request drawn with 0 decode steps writes
+        # its whole prompt first).
+        for r in [r for r, st in live.items() if st["decode"] <= 0 and st["written"] >= st["prompt"]]:
             free_a.append(space.release(r))
             del live[r]
             admit()
@@ -292,29 +296,40 @@ def _read_jsonl(path):
                 raise _Bad(f"{where} is not JSON ({e.msg})") from None
             if not isinstance(o, dict):
                 raise _Bad(f"{where} must be a JSON object, got {line.strip()[:60]!r}")
-            if "addr" not in o:
-                if set(o) != {"num_logical"}:  # e.g. a misspelt key: not a header either
-                    raise _Bad(f"{where} is neither a header {{\"num_logical\": N}} nor an event "
-                               f"with 'step', 'kind' and 'addr': {line.strip()[:120]!r}")
-                n_l = _int(o["num_logical"], f"{where}: num_logical")
-                num_logical = n_l if num_logical is None else max(num_logical, n_l)  # appended runs
-                continue
-            if o.get("kind") not in _KINDS or "step" not in o:
-                raise _Bad(f"{where} needs 'step' and 'kind' in {sorted(_KINDS)}, got "
-                           f"{line.strip()[:120]!r}")
-            addr = _ints(o["addr"], f"{where}: addr")
-            n = addr.size
-            req = o.get("req", -1)
-            req = _ints(req, f"{where}: req") if isinstance(req, list) else np.full(n, _int(req, f"{where}: req"))
-            if req.size != n:
-                raise _Bad(f"{where}: 'req' has {req.size} entries for {n} addresses")
-            cols["addr"].append(addr)
-            cols["req"].append(req)
-            for k, v in (("step", _int(o["step"], f"{where}: step")),
-                         ("group", _int(o.get("group", 0), f"{where}: group")),
-                         ("kind", _KINDS[o["kind"]])):
-                cols[k].append(np.full(n, v, dtype=np.int64))
+            try:
+                num_logical = _read_event(o, where, line, cols, num_logical)
+            except _Bad:
+                raise
+            except (OverflowError, TypeError, ValueError) as e:  # e.g. 2**64, a list as kind
+                raise _Bad(f"{where}: {type(e).__name__}: {e} in {line.strip()[:120]!r}") from None
     return {k: (np.concatenate(v) if v else np.empty(0, np.int64)) for k, v in cols.items()}, num_logical
+
+
+def _read_event(o: dict, where: str, line: str, cols: dict, num_logical):
+    """One JSON-lines record into ``cols``; returns the header's ``num_logical`` so far."""
+    if "addr" not in o:
+        if set(o) != {"num_logical"}:  # e.g. a misspelt key: not a header either
+            raise _Bad(f"{where} is neither a header {{\"num_logical\": N}} nor an event "
+                       f"with 'step', 'kind' and 'addr': {line.strip()[:120]!r}")
+        n_l = _int(o["num_logical"], f"{where}: num_logical")
+        return n_l if num_logical is None else max(num_logical, n_l)  # appended runs
+    if o.get("kind") not in _KINDS or "step" not in o:
+        raise _Bad(f"{where} needs 'step' and 'kind' in {sorted(_KINDS)}, got "
+                   f"{line.strip()[:120]!r}")
+    addr = _ints(o["addr"], f"{where}: addr")
+    n = addr.size
+    req = o.get("req", -1)
+    req = _ints(req, f"{where}: req") if isinstance(req, list) else np.full(
+        n, _int(req, f"{where}: req"), dtype=np.int64)
+    if req.size != n:
+        raise _Bad(f"{where}: 'req' has {req.size} entries for {n} addresses")
+    cols["addr"].append(addr)
+    cols["req"].append(req)
+    for k, v in (("step", _int(o["step"], f"{where}: step")),
+                 ("group", _int(o.get("group", 0), f"{where}: group")),
+                 ("kind", _KINDS[o["kind"]])):
+        cols[k].append(np.full(n, v, dtype=np.int64))
+    return num_logical
 
 
 def _read_npz(path):
@@ -324,18 +339,21 @@ def _read_npz(path):
         raise _Bad("not an npz archive (JSON-lines traces need a .jsonl name)")
     try:
         z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise _Bad(f"unreadable npz ({e})") from None
-    missing = [k for k in _COLS if k not in z.files]
-    if missing:
-        raise _Bad(f"not a ulacache trace, missing arrays {missing}")
-    a = {k: _ints(z[k], f"array '{k}'") for k in _COLS}
+        missing = [k for k in _COLS if k not in z.files]
+        if missing:
+            raise _Bad(f"not a ulacache trace, missing arrays {missing}")
+        a = {k: _ints(z[k], f"array '{k}'") for k in _COLS}
+        nl = z["num_logical"] if "num_logical" in z.files else None
+    except _Bad:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as e:
+        # Empty, truncated or corrupted archives; object arrays (no pickles are loaded).
+        raise _Bad(f"unreadable npz ({type(e).__name__}: {e})") from None
     lens = {k: v.size for k, v in a.items()}
     if len(set(lens.values())) > 1:
         raise _Bad(f"arrays must have one row per event and address, got lengths {lens}")
     num_logical = None
-    if "num_logical" in z.files:
-        nl = z["num_logical"]
+    if nl is not None:
         if nl.ndim != 0:
             raise _Bad(f"num_logical must be a scalar, got shape {nl.shape}")
         num_logical = _int(nl[()], "num_logical")
