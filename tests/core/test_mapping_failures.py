@@ -268,7 +268,28 @@ def test_addresses_past_the_address_space():
     assert m.free(torch.tensor([1, 64])) == 1
     with pytest.raises(TypeError, match="integers"):
         m.ensure_resident(torch.tensor([1.0]))
+    for junk in (["a"], None, [None]):
+        with pytest.raises(TypeError, match="integers"):
+            m.resolve(junk)
     assert m.resolve([2, 3]).shape == (2,)  # plain lists are accepted
+
+
+def test_unsigned_and_python_addresses_past_int64():
+    """uint64 addresses >= 2**63 wrap to negative int64 (padding) unless caught: they are
+    past the space; ``free`` ignores them (and Python ints past int64) as documented."""
+    import numpy as np
+
+    m, store = _filled("pblru", 4, 8, 8)
+    before = _snapshot(m)
+    for big in (np.array([2**63], dtype=np.uint64), torch.tensor([2**63 + 5], dtype=torch.uint64)):
+        for call in (m.assign, m.ensure_resident, m.resolve):
+            with pytest.raises(KeyError, match="past int64"):
+                call(big)
+    assert _same(before, _snapshot(m))
+    assert m.free(np.array([1, 2**64 - 1], dtype=np.uint64)) == 1
+    assert m.free([2, 2**63, -(2**70)]) == 1
+    assert m.resolve([1, 2]).tolist() == [-1, -1]
+    assert m.ensure_resident(np.array([3], dtype=np.uint64))[0].numel() == 1  # small ones work
 
 
 def test_adopt_checks_its_input_before_changing_anything():

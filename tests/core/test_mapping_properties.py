@@ -257,6 +257,24 @@ def test_tp_placement():
         assert t[r] == DEVICE and all(t[i] == 3 for i in range(4) if i != r)
         m.free(addrs)
         assert m.device_used == 0
+    # Ranks are packed in 16 bits: a larger world is refused, not silently mislabelled.
+    top = (1 << 16) - 1
+    last = TieredMapping(70000, 8, 8, placement="tp", rank=top, world_size=1 << 16)
+    last.assign(torch.tensor([top]))
+    t, rk, _ = unpack(last.resolve(torch.tensor([top, 0])))
+    assert rk.tolist() == [top, 0] and t.tolist() == [DEVICE, 3]
+    with pytest.raises(ValueError, match="65536"):
+        TieredMapping(100, 8, 8, placement="tp", rank=1 << 16, world_size=(1 << 16) + 1)
+
+
+def test_pblru_default_queue_capacity_fits_int32_positions():
+    from ulacache_vllm.core.pblru import UNTRACKED, default_queue_capacity
+
+    assert default_queue_capacity(1000) == 8 * 1000 + 4096
+    for S in (2**28 - 1, 2**28, 2**29, 2**30 - 1):  # (not allocated here: gigabytes)
+        q = default_queue_capacity(S)
+        assert 2 * S <= q < UNTRACKED, S
+    assert default_queue_capacity(2**30) >= UNTRACKED  # refused by PBLRU: too large for int32
 
 
 pol_op = st.one_of(

@@ -334,6 +334,11 @@ def test_empty_lists_huge_addresses_and_foreign_plans():
     assert not mplan.empty
     with pytest.raises(ValueError, match="another"):
         b.apply(mplan, lambda *a: None)
+    _, fplan = b.lookup([5])
+    with pytest.raises(ValueError, match="another"):  # a fetch plan is no move plan either
+        m.apply(fplan, lambda *a: None)
+    b.apply(fplan, lambda *a: None)
+    assert b.invalidate([5, 2**63]) == 1  # past int64: ignored, as documented
     _, p = b.lookup([1, 3])
     evs = (ManualEvent(), ManualEvent())
     b.apply(p, lambda *a: evs)  # several events (a tuple): visible once all are done

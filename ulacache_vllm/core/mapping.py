@@ -279,6 +279,9 @@ class TieredMapping(PlanQueue):
 
         Returns ``(device_slots, plan)``; ``device_slots`` is aligned with ``addrs`` (-1 for
         padding / non-owned). Apply ``plan`` (victims demoted to host) before writing the rows.
+        A ``CapacityError`` leaves tables, pools and stats unchanged; as with
+        ``ensure_resident``, the call's re-assigned entries that were on the device stay marked
+        as used in this round (they were written in it), so they are not this round's victims.
         """
         self.poll()
         addrs, shape = self._addrs(addrs, "assign")
@@ -430,7 +433,7 @@ class TieredMapping(PlanQueue):
         """
         if plan.state != "planned":
             return plan
-        if plan._mapping is not self:
+        if getattr(plan, "_mapping", None) is not self:  # another mapping's, or a fetch plan
             raise ValueError("plan belongs to another mapping")
         self._check_apply_order(plan)
         c = plan.num_staged

@@ -98,6 +98,12 @@ SMALL_POOL_SLOTS = 16384
 SMALL_POOL_ENV = "ULACACHE_PBLRU_SMALL_POOL_SLOTS"  # overrides SMALL_POOL_SLOTS, read per policy
 
 
+def default_queue_capacity(num_slots: int) -> int:
+    """``8 S + 4096`` entries, capped below int32's end for pools of 2^28 slots and more (the
+    ring needs at least ``2 S``: pools of 2^30 slots or more do not fit int32 positions)."""
+    return min(8 * num_slots + 4096, max(2 * num_slots, UNTRACKED - 1))
+
+
 def small_pool_threshold() -> int:
     """The small-pool threshold in force: ``$ULACACHE_PBLRU_SMALL_POOL_SLOTS`` (read when a
     policy is built, so a process may change it) or ``SMALL_POOL_SLOTS``."""
@@ -133,11 +139,13 @@ class PBLRU(EvictionPolicy):
         self.num_slots = S = num_slots
         # Live entries never exceed S and one push adds at most S, so 2 S always fits after a
         # compaction; a larger ring keeps compactions (O(queue)) to pools that evict little.
-        self.cap = Q = 8 * S + 4096 if queue_capacity is None else queue_capacity
+        self.cap = Q = default_queue_capacity(S) if queue_capacity is None else queue_capacity
         if Q < 2 * S:
             raise ValueError("queue_capacity must be >= 2 * num_slots")
         if Q >= UNTRACKED:
-            raise ValueError(f"queue_capacity must be < 2^31 (int32 ring indices), got {Q}")
+            raise ValueError(f"queue_capacity must be < 2^31 (int32 ring indices), got {Q}"
+                             + ("" if queue_capacity is not None else
+                                f": a queue PB-LRU holds at most 2^30 - 1 slots, got {S}"))
         # The small-pool fast path: same victims (exact LRU), one top-k per selection.
         small = small_pool_threshold() if small_pool_slots is None else small_pool_slots
         self._small = TimestampLRU(S, self.device) if S <= small else None

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+MAX_WORLD = 1 << 16  # public packed locations: tier << 48 | rank << 32 | slot
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -21,6 +23,8 @@ class Placement:
             raise ValueError(f"placement must be 'dp' or 'tp', got {self.kind!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
+        if self.world_size > MAX_WORLD:  # packed locations carry the rank in 16 bits
+            raise ValueError(f"world_size {self.world_size} > {MAX_WORLD} ranks")
 
     @property
     def stride(self) -> int:

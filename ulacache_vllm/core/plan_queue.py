@@ -13,27 +13,38 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 
 def as_addresses(addrs, device: torch.device, num_logical: int, what: str,
                  ignore_out_of_range: bool = False):
     """``(flat, shape)``: logical addresses as a flat int64 tensor on ``device`` and their
-    shape; negative values are padding. Addresses past the address space raise ``KeyError``
-    (or, with ``ignore_out_of_range``, become padding); non-integers raise ``TypeError``."""
+    shape; negative values are padding. Addresses past the address space (also unsigned ones
+    past int64) raise ``KeyError`` (or, with ``ignore_out_of_range``, become padding);
+    non-integers raise ``TypeError``."""
     try:
         t = torch.as_tensor(addrs, device=device)
-    except (OverflowError, RuntimeError, ValueError) as e:
-        if "overflow" not in str(e).lower():
-            raise
-        raise KeyError(f"{what}: addresses outside the logical address space [0, {num_logical}) "
-                       f"(too large for int64)") from None
+    except (OverflowError, RuntimeError, ValueError, TypeError) as e:
+        if not (isinstance(e, OverflowError) or "overflow" in str(e).lower()):
+            raise TypeError(f"{what}: logical addresses must be integers, got "
+                            f"{str(addrs)[:60]!r} ({e})") from None
+        if not ignore_out_of_range:
+            raise KeyError(f"{what}: addresses outside the logical address space [0, "
+                           f"{num_logical}) (too large for int64)") from None
+        t = _past_int64_as_padding(addrs).to(device)
     if t.numel() == 0 and t.is_floating_point():
         t = t.long()  # torch.as_tensor([]) is float32: an empty list is no addresses
     if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
         raise TypeError(f"{what}: logical addresses must be integers, got {t.dtype}")
     shape = t.shape
+    wrapped = t.dtype == torch.uint64  # values >= 2**63 turn negative in int64
     t = t.to(torch.int64).reshape(-1)
+    if wrapped and t.numel() and bool((t < 0).any()):
+        if not ignore_out_of_range:
+            raise KeyError(f"{what}: addresses outside the logical address space [0, "
+                           f"{num_logical}) (unsigned, past int64)")
+        t = t.masked_fill(t < 0, num_logical)  # out of range: padding below
     if t.numel() and int(t.max()) >= num_logical:
         bad = t >= num_logical
         if ignore_out_of_range:
@@ -41,6 +52,13 @@ def as_addresses(addrs, device: torch.device, num_logical: int, what: str,
         raise KeyError(f"{what}: addresses {t.masked_select(bad)[:8].tolist()} are outside "
                        f"the logical address space [0, {num_logical})")
     return t, shape
+
+
+def _past_int64_as_padding(addrs) -> torch.Tensor:
+    """Python integers outside int64 (only on this rare path) as -1 padding."""
+    lo, hi = -(1 << 63), 1 << 63
+    keep = np.frompyfunc(lambda x: x if lo <= x < hi else -1, 1, 1)
+    return torch.as_tensor(keep(np.asarray(addrs, dtype=object)).astype(np.int64))
 
 
 class UniqueAddresses:

@@ -31,7 +31,9 @@ class EvictionPolicy:
         raise NotImplementedError
 
     def select_victims(self, k: int) -> torch.Tensor:
-        """Remove and return ``k`` occupied slots not used this round, least recent first."""
+        """Remove and return the ``k`` least recently used occupied slots, none used this round
+        (PB-LRU's queue and ``ListLRU`` return them least recent first; the timestamp scan's
+        top-k returns the same set in no particular order: a sort would cost it O(k log k))."""
         raise NotImplementedError
 
     def release(self, slots: torch.Tensor) -> None:
