@@ -10,7 +10,8 @@ best exact LRU) and the bookkeeping + victim-selection time per step (policy cal
 replay's policy time divided by its steps, median over repeated replays, as a ratio to the
 faster exact LRU of the same run; beside it the median step (median over steps of the median
 over repeats), which leaves out rare expensive steps. Writes
-``benchmarks/results/pblru_vs_lru.{json,png}``.
+``benchmarks/results/pblru_vs_lru.{json,png}`` (``pblru_vs_lru_quick.*`` with ``--quick``,
+``pblru_vs_lru_trace.*`` with ``--trace``: the committed full-sweep results stay).
 
     python benchmarks/pblru_vs_lru.py --quick        # ~2 minutes on 2 loaded cores
     python benchmarks/pblru_vs_lru.py                # full sweep
@@ -214,7 +215,9 @@ def main():
     if not a.trace:  # the generator's settings only describe synthetic traces
         cfg.update(topk=topk, steps=steps, prompt=prompt, decode=decode, prefill_chunk=chunk,
                    overlap=overlap)
-    (out / "pblru_vs_lru.json").write_text(json.dumps(dict(config=cfg, rows=rows), indent=1))
+    # Quick and trace runs get their own files: the full sweep's are the ones the README quotes.
+    stem = "pblru_vs_lru" + ("_trace" if a.trace else "_quick" if a.quick else "")
+    (out / f"{stem}.json").write_text(json.dumps(dict(config=cfg, rows=rows), indent=1))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -237,10 +240,10 @@ def main():
         ax[1].axhline(1.0, color="gray", lw=0.8)
         ax[1].axhline(2.0, color="gray", lw=0.8, ls="--")
         fig.tight_layout()
-        fig.savefig(out / "pblru_vs_lru.png", dpi=100)
+        fig.savefig(out / f"{stem}.png", dpi=100)
     except ImportError:
         print("matplotlib missing: no plot")
-    print(f"wrote {out / 'pblru_vs_lru.json'}")
+    print(f"wrote {out / (stem + '.json')}")
 
 
 if __name__ == "__main__":
