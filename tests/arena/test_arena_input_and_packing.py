@@ -169,3 +169,31 @@ def test_an_error_inside_the_ladder_leaves_the_tables_as_they_were(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         a.admit("r4", {"H": 2})
     assert layout(a) == before
+
+
+def test_pages_moved_counts_pages_not_chunk_copies():
+    """A page slid down over a smaller hole takes several chunk copies but is one page."""
+    small = KindSpec("s", Band.LOW, (RowSpec("r", (64,), "uint8"),))
+    big = KindSpec("b", Band.LOW, (RowSpec("r", (256,), "uint8"),))
+    a = Arena(4096, [small, big], alignment=64)
+    a.admit("x", {"s": 1})
+    a.admit("y", {"b": 1})
+    a.free("x")
+    plan = a.relayout()
+    assert len(plan) > 1  # chunked slide
+    assert a.stats["pages_moved"] == 1 and a.stats["bytes_copied"] == 256
+
+
+def test_bool_kind_keys_and_negative_rows_are_refused():
+    one = lambda n, b: KindSpec(n, b, (RowSpec("r", (64,), "uint8"),))
+    a = Arena(1024, [one("w", Band.LOW), one("f", Band.HIGH)], alignment=64)
+    with pytest.raises(KeyError):
+        a.admit(1, {True: 2})  # not "kind #1"
+    assert a.used_bytes == 0
+    with pytest.raises(ValueError, match="entries_per_page"):
+        KindSpec("k", Band.LOW, (RowSpec("a", (4,), "uint8"),), True)
+    k = KindSpec("k", Band.LOW, (RowSpec("a", (4,), "uint8"), RowSpec("b", (4,), "uint8")), 2)
+    assert k.row_offset(1) == k.row_offset("b")
+    for bad in (-1, 2):
+        with pytest.raises(IndexError):
+            k.row_offset(bad)

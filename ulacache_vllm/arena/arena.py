@@ -67,6 +67,8 @@ class Arena:
     def kind_index(self, kind) -> int:
         if isinstance(kind, KindSpec):
             kind = kind.name
+        if isinstance(kind, (bool, np.bool_)):  # (an int subclass: True would mean kind #1)
+            raise KeyError(kind)
         if isinstance(kind, (int, np.integer)):
             if not 0 <= kind < len(self.kinds):
                 raise KeyError(kind)
@@ -196,7 +198,7 @@ class Arena:
         for s, size in srcs:
             self._space.add(s, size)
         plan = CopyPlan([np.concatenate(rows)] if rows else [])
-        self._count_moves(plan, "compactions")
+        self._count_moves(plan, "compactions", len(srcs))  # one copy row per page here
         return plan
 
     def relayout(self) -> CopyPlan:
@@ -205,7 +207,7 @@ class Arena:
         sizes_all = np.asarray(self.page_bytes, dtype=np.int64)[kinds_all] if len(kinds_all) else \
             np.zeros(0, np.int64)
         band_of = np.array([k.band is Band.HIGH for k in self.kinds])
-        per_band_steps = []
+        per_band_steps, pages = [], 0
         pending = self.ledger.pending()
         for band in (Band.LOW, Band.HIGH):
             sel = band_of[kinds_all] == (band is Band.HIGH) if len(kinds_all) else np.zeros(0, bool)
@@ -216,6 +218,7 @@ class Arena:
             osz = np.concatenate([sizes, np.array([n for _, n in wo], np.int64)])
             mov = np.concatenate([movable, np.zeros(len(wo), bool)])
             moves, steps = bands.plan_slide(bands.to_band(band, self.total_bytes, objs, osz), osz, mov)
+            pages += len(moves)
             for i, bdst in moves:
                 n = int(osz[i])
                 dst = bdst if band is Band.LOW else self.total_bytes - bdst - n
@@ -228,7 +231,7 @@ class Arena:
         merged = [np.concatenate([s for s in pair if s is not None and len(s)])
                   for pair in _zip_longest(low, high)]
         plan = CopyPlan(merged)
-        self._count_moves(plan, "relayouts")
+        self._count_moves(plan, "relayouts", pages)  # (a slid page may take several chunk copies)
         return plan
 
     # -- internals ------------------------------------------------------------------------------
@@ -329,12 +332,12 @@ class Arena:
         vid = int(self._ids.p2v([offset])[0])
         return self.page_bytes[int(self._ids.kind_of([vid])[0])]
 
-    def _count_moves(self, plan: CopyPlan, counter: str) -> None:
+    def _count_moves(self, plan: CopyPlan, counter: str, pages: int) -> None:
         if plan:
             self._changed()
             self.stats[counter] += 1
             self.stats["bytes_copied"] += plan.nbytes
-            self.stats["pages_moved"] += len(plan)
+            self.stats["pages_moved"] += pages
 
 
 # Greedy packings ``_try_place`` tries in turn, as (largest kinds first, best-fit holes): the

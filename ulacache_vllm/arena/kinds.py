@@ -80,7 +80,8 @@ class KindSpec:
             raise ValueError(f"kind {self.name!r}: band must be Band.LOW or Band.HIGH "
                              f"('low' / 'high'), got {self.band!r}") from None
         object.__setattr__(self, "rows", tuple(self.rows))
-        if not isinstance(self.entries_per_page, numbers.Integral) or self.entries_per_page < 1:
+        if not isinstance(self.entries_per_page, numbers.Integral) or isinstance(
+                self.entries_per_page, bool) or self.entries_per_page < 1:
             raise ValueError(f"kind {self.name!r}: entries_per_page must be an integer >= 1, "
                              f"got {self.entries_per_page!r}")
         offs, off, align = [], 0, 1
@@ -110,6 +111,8 @@ class KindSpec:
     def row_offset(self, row: str | int, entry: int = 0) -> int:
         """Byte offset of ``row`` of ``entry`` relative to the start of its page."""
         idx = row if isinstance(row, int) else [r.name for r in self.rows].index(row)
+        if not 0 <= idx < len(self.rows):  # (a negative row would index from the end)
+            raise IndexError(row)
         if not 0 <= entry < self.entries_per_page:
             raise IndexError(entry)
         return entry * self.entry_bytes + self.row_offsets[idx]
