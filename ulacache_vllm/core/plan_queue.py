@@ -44,7 +44,7 @@ def as_addresses(addrs, device: torch.device, num_logical: int, what: str,
         if not ignore_out_of_range:
             raise KeyError(f"{what}: addresses outside the logical address space [0, "
                            f"{num_logical}) (unsigned, past int64)")
-        t = t.masked_fill(t < 0, num_logical)  # out of range: padding below
+        t = t.masked_fill(t < 0, -1)  # past int64: padding, like any address past the space
     if t.numel() and int(t.max()) >= num_logical:
         bad = t >= num_logical
         if ignore_out_of_range:
