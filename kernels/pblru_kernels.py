@@ -1,5 +1,5 @@
-"""Triton kernels for PB-LRU (hit detection + touch, queue push, stale filter + first-k) and
-the bucket / free-slot bitmaps.
+"""Triton kernels for PB-LRU (hit detection + touch of the round labels; the queue variant's
+push and stale filter + first-k) and the bucket / free-slot bitmaps.
 
 Same semantics and bit layout as ``kernels.reference`` (which is the CPU path and the oracle).
 Import lazily: ``triton.jit`` decides compiled vs interpreted (``TRITON_INTERPRET=1``) at
@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from . import reference
 
 
 @triton.jit
@@ -167,3 +169,30 @@ def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: 
     # The k-th live entry is the first position where the running count reaches k.
     kt = torch.tensor([k], dtype=cum.dtype, device=cum.device)
     return out, int(torch.searchsorted(cum, kt).item()) + 1, total
+
+
+@triton.jit
+def _label_hit_touch_kernel(loc_ptr, labels_ptr, hit_ptr, num_slots, rnd, n, BLOCK: tl.constexpr):
+    # A hit is a device slot: 0 <= v < num_slots (tier bits 0, and not -1). Unique entries
+    # have unique slots: the label stores never race.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    v = tl.load(loc_ptr + offs, mask=m, other=-1)
+    hit = (v >= 0) & (v < num_slots)
+    tl.store(hit_ptr + offs, hit.to(tl.int8), mask=m)
+    tl.store(labels_ptr + v, tl.full((BLOCK,), 0, tl.int32) + rnd, mask=m & hit)
+
+
+def label_hit_touch(loc_vals: torch.Tensor, labels: torch.Tensor, num_slots: int, rnd: int,
+                    src: torch.Tensor | None = None) -> torch.Tensor:
+    """One kernel: hit flags and the label writes (``src`` is the reference's, unused)."""
+    n = loc_vals.numel()
+    hit = torch.empty(n, dtype=torch.int8, device=loc_vals.device)
+    if n:
+        _label_hit_touch_kernel[(triton.cdiv(n, _BLOCK_N),)](
+            loc_vals.contiguous(), labels, hit, num_slots, rnd, n, BLOCK=_BLOCK_N)
+    return hit.bool()
+
+
+label_members = reference.label_members
+label_live = reference.label_live

@@ -1,4 +1,4 @@
-"""Core tests use tiny pools: run PB-LRU's queue at every size there.
+"""Core tests use tiny pools: run the queue PB-LRU's queue at every size there.
 
 The small-pool fast path (a timestamp scan below ``SMALL_POOL_SLOTS``) would otherwise take
 every one of these pools; it is covered on its own by ``test_pblru_is_exact_lru`` (small=4096).
@@ -7,7 +7,7 @@ Module-scoped, not function-scoped: hypothesis refuses function-scoped fixtures 
 
 import pytest
 
-from ulacache_vllm.core import pblru
+from ulacache_vllm.core import pblru_queue as pblru
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -38,7 +38,7 @@ def _compact_scan_min(n: int):
 def test_kernels_really_interpreted():
     for fn in (tk._popcount_kernel, tk._expand_kernel, tk._queue_push_kernel, tk._queue_live_kernel,
                tk._queue_first_k_kernel, tk._hit_flags_kernel, tk._hit_push_kernel,
-               tt._translate_kernel):
+               tk._label_hit_touch_kernel, tt._translate_kernel):
         assert isinstance(fn, InterpretedFunction), "Triton kernels would not run on CPU"
 
 
@@ -208,7 +208,94 @@ def test_expand_first_k_one_strided_word():
     assert tk.expand_first_k(w, 3).tolist() == [0, 1, 3]
 
 
-def test_mapping_same_with_triton_path(monkeypatch):
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), S=st.integers(0, 400), n=st.integers(0, 300),
+       hit_p=st.sampled_from([0.0, 0.3, 1.0]), rnd=st.integers(0, 2**31 - 2))
+def test_label_hit_touch(seed, S, n, hit_p, rnd):
+    """Round-label hit detection + touch: device values (a slot below S) are hits and get
+    label ``rnd``; host (tier 1), pending (tier 2) and unmapped (-1) values are misses and
+    touch only the dummy label S. Triton == reference == brute force."""
+    g = torch.Generator().manual_seed(seed)
+    n = min(n, S)
+    slots = torch.randperm(S, generator=g)[:n]  # unique entries -> distinct device slots
+    tier = torch.where(torch.rand(n, generator=g) < hit_p, 0, torch.randint(1, 4, (n,), generator=g))
+    loc = torch.where(tier == 3, -1, (tier << 32) | slots)
+    lab0 = torch.randint(0, 2**31 - 1, (S + 1,), generator=g, dtype=torch.int64).to(torch.int32)
+    expect = lab0.clone()
+    expect[slots[tier == 0]] = rnd
+    src = torch.full((n,), rnd, dtype=torch.int32)
+    for mod in (ref, tk):
+        lab = lab0.clone()
+        hit = mod.label_hit_touch(loc, lab, S, rnd, src)
+        assert hit.dtype == torch.bool and torch.equal(hit, tier == 0), mod
+        assert torch.equal(lab[:S], expect[:S]), mod
+    h, idx = ref.hit_index(loc, S)
+    assert torch.equal(idx, torch.where(tier == 0, loc, S)) and idx.dtype == torch.int64
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10**6), S=st.integers(0, 500), rounds=st.integers(1, 5),
+       m=st.integers(0, 200))
+def test_label_members_and_live(seed, S, rounds, m):
+    g = torch.Generator().manual_seed(seed)
+    lab = torch.randint(0, rounds, (S,), generator=g, dtype=torch.int32)
+    r = int(torch.randint(0, rounds, (1,), generator=g))
+    mem = ref.label_members(lab, r)
+    assert mem.dtype == torch.int64 and mem.tolist() == [i for i in range(S) if lab[i] == r]
+    sl = torch.randint(0, max(S, 1), (min(m, S),), generator=g) if S else torch.zeros(0, dtype=torch.int64)
+    live = ref.label_live(sl, lab, r)
+    assert live.tolist() == [s for s in sl.tolist() if lab[s] == r]
+
+
+def test_pblru_rounds_same_with_triton_path(monkeypatch):
+    """The round-label PB-LRU on the Triton kernel picks the same victims and labels as on
+    the reference path, through hits with misses among them, releases and idle rounds."""
+    from _policy_drive import select_all
+    from ulacache_vllm.core import PBLRU
+
+    S = 40
+    pols = []
+    for force in ("1", "0"):
+        monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
+        pols.append(PBLRU(S, "cpu"))
+    assert pols[0]._k is tk and pols[1]._k is ref
+    g = torch.Generator().manual_seed(7)
+    tracked = torch.zeros(S, dtype=torch.bool)
+    selected = 0
+    for it in range(300):
+        op = int(torch.randint(0, 6, (1,), generator=g))
+        if op == 0:
+            free = (~tracked).nonzero().squeeze(1)
+            new = free[torch.randperm(free.numel(), generator=g)[: int(torch.randint(0, 8, (1,), generator=g))]]
+            for p in pols:
+                p.touch(new)
+            tracked[new] = True
+        elif op == 1:
+            live = tracked.nonzero().squeeze(1)
+            vals = torch.cat([live[torch.randperm(live.numel(), generator=g)[:10]], torch.tensor([-1, (1 << 32) | 2])])
+            h0, h1 = (p.hit_touch(vals) for p in pols)
+            assert torch.equal(h0, h1) and int(h0.sum()) == vals.numel() - 2
+        elif op in (2, 3):
+            for p in pols:
+                for _ in range(1 + 3 * (op == 3)):
+                    p.advance_round()
+        elif op == 4 and it % 3 == 0:
+            live = tracked.nonzero().squeeze(1)
+            rel = live[torch.randperm(live.numel(), generator=g)[:3]]
+            for p in pols:
+                p.release(rel)
+            tracked[rel] = False
+        else:
+            vic = select_all(pols, int(torch.randint(1, 8, (1,), generator=g)))
+            if vic is not None:
+                tracked[vic] = False
+                selected += vic.numel()
+        assert torch.equal(pols[0].labels[:S], pols[1].labels[:S])  # (not the dummy)
+    assert selected > 50 and pols[0].harvests == pols[1].harvests > 10
+
+
+@pytest.mark.parametrize("lru", ["pblru", "pblru_queue"])
+def test_mapping_same_with_triton_path(monkeypatch, lru):
     """A whole replay gives identical results on the Triton and torch paths."""
     from ulacache_vllm.core import TieredMapping
     from ulacache_vllm.core.trace import generate_dsa_trace, replay
@@ -219,7 +306,7 @@ def test_mapping_same_with_triton_path(monkeypatch):
     outs = []
     for force in ("0", "1"):
         monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
-        m = TieredMapping(tr.num_logical, pool, tr.num_logical, lru="pblru", ring_size=3)
+        m = TieredMapping(tr.num_logical, pool, tr.num_logical, lru=lru, ring_size=3)
         replay(tr, {0: m})
         outs.append((m.stats.hits, m.stats.promotions, m.resolve(torch.arange(tr.num_logical))))
     assert outs[0][0] == outs[1][0] and outs[0][1] == outs[1][1]
@@ -254,17 +341,17 @@ def test_hier_bitmap_first_k_and_derived_pool_view(seed):
     assert pool.free_bits.count() == pool.num_free == int(free.sum())
 
 
-def test_pblru_ring_same_with_triton_path(monkeypatch):
-    """PB-LRU on the Triton kernels picks the same victims as on the torch path through ring
-    wraps, windows crossing the ring's end, stashes and compactions."""
+def test_queue_pblru_ring_same_with_triton_path(monkeypatch):
+    """The queue PB-LRU on the Triton kernels picks the same victims as on the torch path
+    through ring wraps, windows crossing the ring's end, stashes and compactions."""
     from _policy_drive import select_all
-    from ulacache_vllm.core import PBLRU
+    from ulacache_vllm.core import QueuePBLRU
 
     S = 24
     pols = []
     for force in ("1", "0"):
         monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
-        pols.append(PBLRU(S, "cpu", queue_capacity=2 * S + 5, small_pool_slots=0))
+        pols.append(QueuePBLRU(S, "cpu", queue_capacity=2 * S + 5, small_pool_slots=0))
     assert pols[0]._k is tk and pols[1]._k is ref
     g = torch.Generator().manual_seed(5)
     tracked = torch.zeros(S, dtype=torch.bool)
@@ -279,8 +366,8 @@ def test_pblru_ring_same_with_triton_path(monkeypatch):
         elif op == 1:
             live = tracked.nonzero().squeeze(1)
             vals = torch.cat([live[torch.randperm(live.numel(), generator=g)[:10]], torch.tensor([-1, (1 << 32) | 2])])
-            (h0, s0), (h1, s1) = (p.hit_touch(vals) for p in pols)
-            assert torch.equal(h0, h1) and torch.equal(s0, s1)
+            h0, h1 = (p.hit_touch(vals) for p in pols)
+            assert torch.equal(h0, h1)
         elif op in (2, 3):
             for p in pols:
                 p.advance_round()

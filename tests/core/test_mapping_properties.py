@@ -7,9 +7,9 @@ from hypothesis import strategies as st
 
 from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent, RowStore,
                                 TieredMapping, unpack)
-from ulacache_vllm.core import pblru as pblru_mod
+from ulacache_vllm.core import pblru_queue as pblru_mod
 
-POLICIES = ["pblru", "pblru_bitmap", "exact_ts", "exact_list"]
+POLICIES = ["pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"]
 
 op = st.one_of(
     st.tuples(st.just("append"), st.integers(0, 5), st.integers(1, 12)),
@@ -69,14 +69,16 @@ def _bits(words, n):
 def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
     num_logical = 6 * 64
     host_slots = 6 * 30 - dev_slots + host_extra  # small extra: the host often fills up
-    # small: PB-LRU on its small-pool scan path (tests/core runs the queue by default).
+    # small: the queue PB-LRU on its small-pool scan path (tests/core runs the queue by default).
     pblru_mod.SMALL_POOL_SLOTS, old = (4096 if small else 0), pblru_mod.SMALL_POOL_SLOTS
     try:
         m = TieredMapping(num_logical, dev_slots, host_slots, lru=lru, ring_size=ring)
     finally:
         pblru_mod.SMALL_POOL_SLOTS = old
-    if lru == "pblru":
+    if lru == "pblru_queue":
         assert m.policy.victim_path == ("scan" if small else "queue")
+    elif lru == "pblru":
+        assert m.policy.victim_path == "rounds"
     store = RowStore(dev_slots, host_slots)
     lens = {r: 0 for r in range(6)}
     live: dict[int, int] = {}
@@ -268,7 +270,7 @@ def test_tp_placement():
 
 
 def test_pblru_default_queue_capacity_fits_int32_positions():
-    from ulacache_vllm.core.pblru import UNTRACKED, default_queue_capacity
+    from ulacache_vllm.core.pblru_queue import UNTRACKED, default_queue_capacity
 
     assert default_queue_capacity(1000) == 8 * 1000 + 4096
     for S in (2**28 - 1, 2**28, 2**29, 2**30 - 1):  # (not allocated here: gigabytes)
@@ -289,15 +291,15 @@ pol_op = st.one_of(
 @settings(max_examples=200, deadline=None)
 @given(ops=st.lists(pol_op, min_size=1, max_size=80), S=st.integers(2, 24),
        cap_extra=st.integers(0, 6), small=st.sampled_from([0, 4096]))
-def test_pblru_is_exact_lru(ops, S, cap_extra, small):
-    """PB-LRU picks exactly ListLRU's victims (same CapacityErrors; on the queue path in the
+def test_queue_pblru_is_exact_lru(ops, S, cap_extra, small):
+    """The queue PB-LRU picks exactly ListLRU's victims (same CapacityErrors; on the queue path in the
     same order, on the small-pool scan path as a set), including
     across queue compactions (tiny queue capacity), releases and re-touches; the timestamp
     LRU the same set."""
-    from ulacache_vllm.core import PBLRU, ListLRU, TimestampLRU
+    from ulacache_vllm.core import ListLRU, QueuePBLRU, TimestampLRU
 
     # small=0: the queue at every size; 4096: these pools take the small-pool scan path.
-    pb = PBLRU(S, "cpu", queue_capacity=2 * S + cap_extra, small_pool_slots=small)
+    pb = QueuePBLRU(S, "cpu", queue_capacity=2 * S + cap_extra, small_pool_slots=small)
     assert (pb._small is None) == (small == 0)
     ex = ListLRU(S, "cpu")
     ts = TimestampLRU(S, "cpu")
@@ -325,11 +327,9 @@ def test_pblru_is_exact_lru(ops, S, cap_extra, small):
                 tracked += sl
             else:  # hit detection path: table values of device entries are the slots
                 vals = torch.cat([t, torch.tensor([-1, (1 << 32) | 3])])
-                h1, s1 = pb.hit_touch(vals)
-                h2, s2 = ex.hit_touch(vals)
-                h3, s3 = ts.hit_touch(vals)
-                assert torch.equal(h1, h2) and torch.equal(s1, s2)
-                assert torch.equal(h1, h3) and torch.equal(s1, s3)
+                h1, h2, h3 = (p.hit_touch(vals) for p in (pb, ex, ts))
+                assert torch.equal(h1, h2) and torch.equal(h1, h3)
+                assert h1.tolist() == [True] * len(sl) + [False, False]
             cur |= set(sl)
         elif o[0] == "release":
             sl = pick(tracked, o[1], o[2])
@@ -370,14 +370,14 @@ def test_pblru_is_exact_lru(ops, S, cap_extra, small):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_pblru_is_exact_lru_large_windows(seed):
+def test_queue_pblru_is_exact_lru_large_windows(seed):
     """Large pools: scan windows beyond the lazy-head limit (exact head advance read off qpos),
     multi-window selections and window-view reuse pick exactly ListLRU's victims."""
-    from ulacache_vllm.core import PBLRU, ListLRU
+    from ulacache_vllm.core import ListLRU, QueuePBLRU
 
     S = 6000
     g = torch.Generator().manual_seed(seed)
-    pb, ex = PBLRU(S, "cpu"), ListLRU(S, "cpu")
+    pb, ex = QueuePBLRU(S, "cpu"), ListLRU(S, "cpu")
     tracked = torch.zeros(S, dtype=torch.bool)
     for _ in range(60):
         free = (~tracked).nonzero().squeeze(1)
@@ -410,18 +410,18 @@ def test_pblru_is_exact_lru_large_windows(seed):
 
 
 @pytest.mark.parametrize("seed,pass_budget", [(0, 4096), (1, 1), (2, 1), (3, 8)])
-def test_pblru_ring_wraps_exact(seed, pass_budget):
+def test_queue_pblru_ring_wraps_exact(seed, pass_budget):
     """A small ring: pushes wrap around its end (padding), victim windows cross it, a ring more
     than half full is compacted incrementally (passes over several pushes with a small
     budget, victim searches jumping over a pass's dead stretch), a full ring compacts at once;
     victims stay exactly ListLRU's, CapacityErrors agree, and the queue invariants
     (``bucket_of``) hold throughout."""
     from _policy_drive import select_all
-    from ulacache_vllm.core import PBLRU, ListLRU
+    from ulacache_vllm.core import ListLRU, QueuePBLRU
 
     S = 48
     g = torch.Generator().manual_seed(seed)
-    pb, ex = PBLRU(S, "cpu", queue_capacity=2 * S + 7, small_pool_slots=0), ListLRU(S, "cpu")
+    pb, ex = QueuePBLRU(S, "cpu", queue_capacity=2 * S + 7, small_pool_slots=0), ListLRU(S, "cpu")
     pb.pass_budget_min = pass_budget
     tracked = torch.zeros(S, dtype=torch.bool)
     crossed = partial = 0
@@ -441,7 +441,7 @@ def test_pblru_ring_wraps_exact(seed, pass_budget):
             live = tracked.nonzero().squeeze(1)
             hit = live.index_select(0, torch.randperm(live.numel(), generator=g)[: rnd(20)])
             a, b = pb.hit_touch(hit), ex.hit_touch(hit)
-            assert torch.equal(a[1], b[1])
+            assert torch.equal(a, b) and bool(a.all())
         elif op == 2:
             for p in (pb, ex):
                 p.advance_round()
@@ -468,9 +468,9 @@ def test_pblru_ring_wraps_exact(seed, pass_budget):
 
 def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "100")
-    PB = pblru_mod.PBLRU
+    PB = pblru_mod.QueuePBLRU
     assert PB(100, "cpu").victim_path == "scan" and PB(101, "cpu").victim_path == "queue"
-    assert TieredMapping(64, 100, 8).policy.victim_path == "scan"
+    assert TieredMapping(64, 100, 8, lru="pblru_queue").policy.victim_path == "scan"
     assert PB(50, "cpu", small_pool_slots=0).victim_path == "queue"  # the argument wins
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "lots")
     with pytest.raises(ValueError, match="ULACACHE_PBLRU_SMALL_POOL_SLOTS must be an integer"):
@@ -480,7 +480,7 @@ def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
 def test_small_pool_calls_go_to_the_scan_and_a_re_init_switches_paths():
     """Small pools call the timestamp scan's methods directly; re-running __init__ with other
     sizes (as the benchmark does) must switch both ways without stale bindings."""
-    PB = pblru_mod.PBLRU
+    PB = pblru_mod.QueuePBLRU
     p = PB(64, "cpu", small_pool_slots=100)
     assert p.select_victims == p._small.select_victims and p.victim_path == "scan"
     p.touch(torch.arange(4))

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from ulacache_vllm.core import (DEVICE, HOST, CapacityError, ManualEvent, RemoteRowBuffer,
                                 RowStore, TieredMapping, unpack)
 
-POLICIES = ["pblru", "pblru_bitmap", "exact_ts", "exact_list"]
+POLICIES = ["pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"]
 
 
 class Cluster:

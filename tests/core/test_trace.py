@@ -251,18 +251,18 @@ def test_replay_splits_a_round_larger_than_the_pool_like_the_engine(tmp_path):
     """Two requests select 6 entries each in one round of an 8-slot pool: the replay attends
     request by request in slices of half the pool (a new round before each), as the engine's
     chunked attention does; every policy sees the same chunks, and the queue PB-LRU the same
-    hits as the exact LRUs (the bitmap PB-LRU is approximate)."""
+    hits as the exact LRUs (the round-label and bitmap PB-LRUs order a round by slot)."""
     rows = [{"step": 0, "kind": "append", "req": 0, "addr": list(range(6))},
             {"step": 1, "kind": "append", "req": 1, "addr": list(range(6, 12))},
             {"step": 2, "kind": "select", "req": [0] * 6 + [1] * 6, "addr": list(range(12))}]
     t = load_trace(_write_jsonl(tmp_path / "big.jsonl", rows))
     assert t.peak_append == 6 and t.peak_demand == 12
     stats = set()
-    for lru in ("pblru", "pblru_bitmap", "exact_ts", "exact_list"):
+    for lru in ("pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"):
         m = TieredMapping(t.num_logical, 8, 16, lru=lru)
         assert replay(t, {0: m}) == 4  # [0:4] [4:6] of request 0, [6:10] [10:12] of request 1
         assert m.stats.lookups == 12 and m.stats.promotions > 0 and m.device_used <= 8
-        if lru != "pblru_bitmap":
+        if lru not in ("pblru", "pblru_bitmap"):
             stats.add((m.stats.hits, m.stats.promotions, m.stats.demotions))
         assert replay(t, {0: TieredMapping(t.num_logical, 12, 16, lru=lru)}) == 0  # it fits
     assert len(stats) == 1, stats

@@ -7,6 +7,7 @@ from .mapping import (DEVICE, HOST, PENDING, REMOTE, STAGING, MappingStats, Move
                       TieredMapping, unpack)
 from .pblru import PBLRU
 from .pblru_bitmap import BitmapPBLRU
+from .pblru_queue import QueuePBLRU
 from .placement import Placement
 from .pools import CapacityError, SlotPool
 from .remote_buffer import FetchPlan, RemoteBufferStats, RemoteRowBuffer
@@ -15,6 +16,6 @@ from .store import RowStore
 __all__ = [
     "LogicalAddressSpace", "ListLRU", "TimestampLRU", "Fence", "ManualEvent", "DEVICE", "HOST",
     "PENDING", "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
-    "PBLRU", "BitmapPBLRU", "Placement", "CapacityError", "SlotPool", "RowStore",
+    "PBLRU", "QueuePBLRU", "BitmapPBLRU", "Placement", "CapacityError", "SlotPool", "RowStore",
     "FetchPlan", "RemoteBufferStats", "RemoteRowBuffer",
 ]

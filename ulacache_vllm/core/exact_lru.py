@@ -26,18 +26,34 @@ class TimestampLRU(EvictionPolicy):
     def __init__(self, num_slots: int, device: torch.device):
         self.device = device
         self.num_slots = num_slots
-        self.last = torch.full((num_slots,), _UNTRACKED, dtype=torch.int64, device=device)
-        self.iota = torch.arange(num_slots, dtype=torch.int64, device=device)
+        # Stamp S is a dummy: the misses of a hit_touch write it, the scan never reads it.
+        self._stamps = torch.full((num_slots + 1,), _UNTRACKED, dtype=torch.int64, device=device)
+        self.last = self._stamps[:num_slots]
+        self.iota = torch.arange(max(num_slots, 1024), dtype=torch.int64, device=device)
         self.tick = 0  # int64 stamps: no wrap-around in any realistic run
         self.round_start = 0
+
+    def _ticks(self, n: int) -> torch.Tensor:
+        """``n`` fresh stamps, in order."""
+        if self.iota.numel() < n:
+            self.iota = torch.arange(max(n, 2 * self.iota.numel()), device=self.iota.device)
+        t = self.iota[:n] + self.tick
+        self.tick += n
+        return t
+
+    def hit_touch(self, loc_vals):
+        # No compaction of the hits: every entry gets a stamp, the misses on the dummy.
+        hit, idx = K.hit_index(loc_vals, self.num_slots)
+        if idx.numel():
+            self._stamps.scatter_(0, idx, self._ticks(idx.numel()))
+        return hit
 
     def touch(self, slots):
         n = slots.numel()
         if n:
             # One stamp per slot (exact order within the call, like the linked list); an add +
             # scatter_ from a tensor beats index_fill_ of a scalar stamp from ~1k slots on CPU.
-            self.last.scatter_(0, slots, self.iota[:n] + self.tick)
-            self.tick += n
+            self.last.scatter_(0, slots, self._ticks(n))
 
     def select_victims(self, k: int) -> torch.Tensor:
         if k <= 0:

@@ -38,6 +38,7 @@ from .exact_lru import ListLRU, TimestampLRU
 from .fence import Fence
 from .pblru import PBLRU
 from .pblru_bitmap import BitmapPBLRU
+from .pblru_queue import QueuePBLRU
 from .placement import Placement
 from .plan_queue import AllEvents as _AllEvents
 from .plan_queue import PlanQueue, UniqueAddresses, as_addresses
@@ -114,6 +115,7 @@ class MovePlan:
 # Victim policies by name, in the order the CLI and the benchmark list them.
 POLICIES = {
     "pblru": lambda n, dev, ring: PBLRU(n, dev, ring_size=ring),
+    "pblru_queue": lambda n, dev, ring: QueuePBLRU(n, dev, ring_size=ring),
     "pblru_bitmap": lambda n, dev, ring: BitmapPBLRU(n, dev, ring_size=ring),
     "exact_ts": lambda n, dev, ring: TimestampLRU(n, dev),
     "exact_list": lambda n, dev, ring: ListLRU(n, dev),
@@ -373,7 +375,7 @@ class TieredMapping(PlanQueue):
         lv = self.loc.index_select(0, u)
         if bool((lv < 0).any()):  # before any touch: a failed call changes nothing
             raise KeyError("ensure_resident: some addresses were never assigned (or were freed)")
-        hit, _ = self.policy.hit_touch(lv)
+        hit = self.policy.hit_touch(lv)
         miss = K.compact(u, ~hit)
         m = miss.numel()
         if m == 0:

@@ -1,411 +1,213 @@
 """PB-LRU: parallel bucketed LRU over the device pool of one layer group (the default policy).
 
-Representation (a choice against the design doc's per-bucket bitmaps; see below):
+A bucket is a round: every slot touched in a scheduling round carries that round's number as
+its *label* (``labels[slot]``, int32; ``UNTRACKED`` = free, released or just evicted). So a
+slot sits in exactly one bucket, a touch moves it to the current bucket by overwriting one
+label, and advancing the ring is ``round += 1``: folding old buckets into "cold" is a matter of
+labels only, with no slot moved. Victims come from the oldest bucket first, then the next,
+never from the current round; inside a bucket in slot order.
 
-* ``qslot`` -- one preallocated queue of touched slots (int32, a ring of capacity ``~8 S``).
-  Every touch appends its slots at the tail, so the queue is ordered by time of touch. The
-  queue is cut into per-round *buckets* by position: the current round's bucket is
-  ``[cur_start, tail)``, older rounds lie before it, oldest first. The ring of recent buckets
-  and the cold bucket are just position ranges: folding a bucket into cold costs nothing.
-* ``qpos[slot]`` -- the queue index of the slot's latest entry (``UNTRACKED`` = int32 max:
-  free, released or just evicted). An entry ``(index p, slot s)`` is *live* iff ``qpos[s] == p``;
-  older entries of a re-touched slot, released slots and consumed victims become stale by
-  that rule alone, with no removal.
+Per-step cost, all of it tensor ops (numpy views on CPU, see ``kernels.reference``):
 
-Per-step cost is a constant handful of tensor ops plus work proportional to the entries
-touched, independent of the pool size (small pools take a timestamp scan instead, see the end):
+* hit detection + touch (``hit_touch``): one compare gives the hit mask, one ``minimum`` sends
+  the misses to a dummy label ``labels[S]``, one ``scatter_`` of the round writes the labels
+  (no boolean compaction of the hits; a Triton kernel on CUDA does all three);
+* touch of new entries and promotions: one ``scatter_``; release / eviction: one ``scatter_``
+  of ``UNTRACKED``;
+* victim selection: a bucket is *harvested* when needed -- one scan of the labels for the
+  oldest round still present (the minimum label, so rounds nobody holds any more are skipped
+  at once) gives its slots in slot order. The part not taken waits in a stash and is taken
+  first next time, after a filter that drops its slots re-touched, released or evicted since
+  (their label moved on). Each round is harvested at most once (every label is the round it
+  was written in, and the harvest takes every slot of its round), so a selection costs a
+  gather and a compare over the stash plus about one O(pool) scan per round consumed; with
+  the pool evicting one round's worth per step that is about one scan per step.
 
-* touch (hit, promotion, new entry) = ``queue_push``: one slice write of the slots at the tail
-  plus one ``scatter_`` of their indices into ``qpos`` (a Triton kernel on CUDA);
-* release / eviction = one ``scatter_`` (``index_fill_`` under 1024 slots) of ``UNTRACKED``
-  into ``qpos``;
-* advance_round = move ``cur_start`` to the tail (no tensor op);
-* victim selection = ``queue_take`` over windows at the queue head, never past ``cur_start``
-  (never the current round): gather ``qpos`` of the window's slots, compare with the window's
-  indices (the stale filter), keep the live ones, oldest first. A window is sized from the
-  observed live fraction (at least ``_MIN_WINDOW`` entries, and the whole rest of ``[head,
-  cur_start)`` when under twice that: one wider scan is cheaper than another round of ops;
-  the estimate drops at most 1.2x per window, so a dead stretch does not size the next window
-  for the whole ring). Live entries a window finds beyond those needed (up to as many as
-  were needed) go to a *stash*, the oldest live entries of all, taken first by the next
-  selection after a stale filter of their own; the head passes the window (or stops after
-  the last one stashed). So every entry is read about once, by one window: the work is
-  proportional to the entries touched since, not to the pool.
-  Fixed cost per call (CPU): select ~6 ops per window plus ~4 for the stash, touch 3 ops
-  (indices slice, queue write, ``qpos`` scatter), hit_touch = ``hit_touch_push``: hit
-  detection and the touch of the hits in one kernel call (CPU: 3 shared hit-detection ops +
-  a touch; CUDA: a flag kernel, a prefix sum and one scatter kernel, no boolean compaction).
-  Free slots are taken from the pool's free stack before the policy is asked; a round whose
-  misses fit in the free slots never calls the selection at all (the fast path when little
-  replacement is needed).
-* the queue is a ring: positions grow forever, position ``p`` lives at index ``p % cap``, and
-  ``tail - head <= cap`` (counting the stash from its first position) keeps every live entry
-  from being overwritten. A push that would cross the ring's end pads the end with a dummy
-  slot (never live) and starts at index 0. With large pools and little eviction (high hit
-  rates) the head barely moves and stale entries pile up: a ring 3/4 full is then compacted
-  *incrementally* (``_pass_step``): from the current round's start back to the head, each push
-  moves the live entries of ~4x its own size, in order, next to those already packed, so the
-  pass ends before the ring fills; a victim search that reaches the pass's cursor jumps over
-  the dead stretch. Only a ring that fills anyway is compacted at once (O(queue)). Before the
-  passes, those one-shot compactions made the slowest replay step 16 / 88 / 307 ms at batch
-  32 / 128 / 256 with 75 % pools and 60-95 % top-k overlap; now 3 / 13 / 25 ms (the exact
-  LRU's: 6 / 16 / 83 ms). Before the ring, a linear queue compacted every ~7 S pushes.
+Against the position-ordered queue this replaced (``lru="pblru_queue"``, exact LRU order),
+nothing here costs per touch beyond writing the label: the queue wrote an entry per touch and
+read each one back in its stale filter, at batch >= 32 about 74k entries a step with 25 % pools.
+Measured side by side (``benchmarks/pblru_vs_lru.py``), the labels are faster at every batch
+size, so there is no separate small-pool path. Against exact LRU the only difference is the
+order inside one round (slot order, not touch order); the hit rate comes out equal or slightly
+higher in the sweeps.
 
-Victim order is exact LRU at touch granularity (oldest touch first, within one touch call in
-slot order: the order of ``ListLRU``), so hit rates match the exact LRU up to tie-breaking.
-The published design keeps one bitmap per bucket with summary levels; it is implemented as
-``lru="pblru_bitmap"`` (pblru_bitmap.py) and replayed beside this one by
-``benchmarks/pblru_vs_lru.py``. Bitmaps pay a per-touch bit move (clear in every row, set in
-the current one) and a multi-level expansion per search, and order slots by index inside a
-bucket; the stale filter over a position-ordered queue finds the oldest live members with one
-gather/compare/compact and skips dead segments by advancing the head. Measured on CPU (full
-sweep), the queue is up to 4x faster than the bitmaps (most at small batches; about even at
-batch 256 with the smallest pools) and matches exact LRU's hit rate exactly, where the bitmaps
-differ by up to 2.1 pp (cold bucket in slot order). ``ring_size`` / ``cold_buckets`` are
-accepted for interface compatibility; they do not change the victim order.
+The stash is always the oldest bucket, and a harvest needs no search in the common case: every
+label below ``_next`` (the round after the last one harvested) is the stash's, because labels
+are only ever written with the current round (never below ``_next``) and a harvest takes every
+slot of its round. So once the stash is used up, round ``_next`` is the oldest held unless it
+is empty; only then does the harvest look for the minimum label (one more O(pool) reduction).
+Rounds are rebased before the labels reach int32's end (``_rebase``, O(pool) once per ~2^30
+rounds; labels older than 2^30 rounds fold into one cold bucket, in slot order).
 
-Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): the queue's
-fixed handful of ops per selection costs more than one top-k over the whole pool, so such a
-pool runs the exact timestamp scan instead (same victims; ``victim_path`` says which). This
-is the batch-1 fast path the published PB-LRU lacks.
+``ring_size`` / ``cold_buckets`` are accepted for interface compatibility (the published design
+folds rounds older than the ring into one unordered cold bucket; labels keep their round, so
+the cold part stays ordered by round at no cost).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 from ulacache_vllm import kernels as K
 
-from .exact_lru import _UNTRACKED as _SMALL_UNTRACKED  # the small-pool scan's "untracked"
-from .exact_lru import TimestampLRU
 from .policy import EvictionPolicy
 from .pools import CapacityError
 
-# The queue, its positions and ``qpos`` are int32: ring indices are below ``cap`` (< 2^31), and
-# half-width entries halve the bytes the stale filter and the touches move (the filter's
-# random ``qpos`` reads then stay in cache far more often): 12-20 % less policy time per step
-# at batch 32-128 than int64 in an A/B replay. Slots leave the policy as int64.
 IDX = torch.int32
-UNTRACKED = torch.iinfo(IDX).max  # qpos of a slot with no live entry
-# Pools up to this many slots run the exact timestamp scan instead (the small-pool fast path:
-# a whole-pool top-k is then one op of a few microseconds, cheaper than a queue window's
-# handful. On CPU, batch 1, the two are even near 7k slots with 40-80 % top-k overlap, but with
-# 60-95 % overlap the queue -- whose cost follows the touches, not the pool -- was 0.81-0.97x
-# at ~10k slots: a 16k threshold keeps batch-1 pools on the scan).
-SMALL_POOL_SLOTS = 16384
-SMALL_POOL_ENV = "ULACACHE_PBLRU_SMALL_POOL_SLOTS"  # overrides SMALL_POOL_SLOTS, read per policy
-
-
-def default_queue_capacity(num_slots: int) -> int:
-    """``8 S + 4096`` entries, capped below int32's end for pools of 2^28 slots and more (the
-    ring needs at least ``2 S``: pools of 2^30 slots or more do not fit int32 positions)."""
-    return min(8 * num_slots + 4096, max(2 * num_slots, UNTRACKED - 1))
-
-
-def small_pool_threshold() -> int:
-    """The small-pool threshold in force: ``$ULACACHE_PBLRU_SMALL_POOL_SLOTS`` (read when a
-    policy is built, so a process may change it) or ``SMALL_POOL_SLOTS``."""
-    v = os.environ.get(SMALL_POOL_ENV)
-    if v is None or v.strip() == "":
-        return SMALL_POOL_SLOTS
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"{SMALL_POOL_ENV} must be an integer number of slots, got {v!r}") from None
-
-_MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the scan window
-# Scan windows: at least _MIN_WINDOW entries (a wider window costs far less than another
-# round of ~7 ops), else the victims still needed / the estimated live fraction * _OVERSCAN.
-_MIN_WINDOW = 1024
-_OVERSCAN = 1.1
-_PASS_MIN = 4096  # entries a compaction pass advances at least per push
-_POLICY_CALLS = ("hit_touch", "touch", "release", "select_victims", "advance_round")
+UNTRACKED = torch.iinfo(IDX).max  # the label of a slot in no bucket (free, released, evicted)
 
 
 class PBLRU(EvictionPolicy):
     name = "pblru"
+    victim_path = "rounds"  # for /metrics and the engine's usage report
+    # Rounds are rebased once the current round reaches this (labels must stay below
+    # UNTRACKED); an instance attribute may lower it (tests).
+    label_limit = UNTRACKED - 1
 
     def __init__(self, num_slots: int, device: torch.device, ring_size: int = 8,
-                 cold_buckets: int = 8, queue_capacity: int | None = None,
-                 small_pool_slots: int | None = None):
+                 cold_buckets: int = 8):
         if ring_size < 1:
             raise ValueError("ring_size must be >= 1")
         if cold_buckets < 0:
             raise ValueError("cold_buckets must be >= 0")
+        if num_slots < 0:
+            raise ValueError(f"num_slots must be >= 0, got {num_slots}")
         self.ring_size, self.cold_buckets = ring_size, cold_buckets
         self.device = torch.device(device)
         self.num_slots = S = num_slots
-        # Live entries never exceed S and one push adds at most S, so 2 S always fits after a
-        # compaction; a larger ring keeps compactions (O(queue)) to pools that evict little.
-        self.cap = Q = default_queue_capacity(S) if queue_capacity is None else queue_capacity
-        if Q < 2 * S:
-            raise ValueError("queue_capacity must be >= 2 * num_slots")
-        if Q >= UNTRACKED:
-            raise ValueError(f"queue_capacity must be < 2^31 (int32 ring indices), got {Q}"
-                             + ("" if queue_capacity is not None else
-                                f": a queue PB-LRU holds at most 2^30 - 1 slots, got {S}"))
-        # The small-pool fast path: same victims (exact LRU), one top-k per selection.
-        small = small_pool_threshold() if small_pool_slots is None else small_pool_slots
-        self._small = TimestampLRU(S, self.device) if S <= small else None
-        # The small-pool path calls the scan's methods directly (instance attributes shadow
-        # this class's): no per-call indirection, so batch-1 pools cost what the scan costs.
-        for name in _POLICY_CALLS:
-            if self._small is not None:
-                setattr(self, name, getattr(self._small, name))
-            else:
-                self.__dict__.pop(name, None)  # (a re-__init__ may switch paths)
-        if self._small is not None:
-            S = Q = 0  # the queue is never used
-        # Slot S is a dummy that is never tracked: it pads the queue's end when a push wraps.
-        self.qslot = torch.zeros(Q, dtype=IDX, device=self.device)
-        self.qpos = torch.full((S + 1 if Q else 0,), UNTRACKED, dtype=IDX, device=self.device)
-        self.iota = torch.arange(Q, dtype=IDX, device=self.device)  # positions
-        # head <= cur_start <= tail are absolute (ever-growing) positions; the queue is a ring,
-        # position p lives at index p % cap, and qpos holds those indices. Entries before head
-        # are consumed or stale; tail - head <= cap, so no live entry is ever overwritten.
-        self.head = 0
-        self.cur_start = 0   # first position of the current round's bucket
-        self.tail = 0
+        # Label S is a dummy: misses of a hit_touch write it, and no scan reads it.
+        self.labels = torch.full((S + 1,), UNTRACKED, dtype=IDX, device=self.device)
+        self._pool = self.labels[:S]
         self.round = 0
-        self.compactions = 0  # counters, for tests and benchmarks
-        self.wraps = 0
-        self.passes = 0       # incremental compaction passes finished
-        # An incremental compaction pass over the older rounds, ``[cc, ps, end]`` (absolute
-        # positions): ``[head, cc)`` not yet processed, ``[cc, ps)`` dead (every entry stale),
-        # ``[ps, end)`` the live entries of the processed part, packed, in order.
-        self._pass = None
-        self.pass_budget_min = _PASS_MIN
-        self._live = 0.5     # estimated live fraction at the head (window sizing)
+        self._next = 0        # the next round to harvest: labels below it are the stash's
+        self._stash = None    # (round, slots): the untaken rest of the oldest bucket
+        self._src = torch.empty(0, dtype=IDX, device=self.device)  # `round`, repeated
+        self._src_round = None
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        # Live entries a victim window found beyond the ones it needed, the oldest live entries
-        # of all: (slots, queue indices, the absolute position of the first). They are
-        # taken first by the next selection, after a stale filter (re-touched or released ones
-        # drop out), instead of rescanning their window.
-        self._stash = None
-        self._k = K.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
+        self.harvests = 0     # counters, for tests and benchmarks
+        self.rebases = 0
+        self._k = K.impl(self.labels)  # Triton on CUDA, the reference on CPU
 
-    @property
-    def victim_path(self) -> str:
-        """How victims are found: ``"queue"`` windows, or the small-pool ``"scan"``."""
-        return "scan" if self._small is not None else "queue"
+    # ------------------------------------------------------------------ helpers
+    def _round_src(self, n: int) -> torch.Tensor:
+        """``n`` copies of the current round (a buffer refilled once per round)."""
+        src = self._src
+        if src.numel() < n:
+            src = self._src = torch.empty(max(n, 2 * src.numel(), 1024), dtype=IDX,
+                                          device=self.device)
+            self._src_round = None
+        if self._src_round != self.round:
+            src.fill_(self.round)
+            self._src_round = self.round
+        return src[:n]
 
-    # ------------------------------------------------------------------ queue upkeep
-    def _lo(self) -> int:
-        """The oldest position still in use (the stash's first, else the head)."""
-        return self.head if self._stash is None else self._stash[2]
+    def _harvest(self, taken: list):
+        """The oldest bucket held, ``(round, its slots in slot order)``, or ``None`` when only
+        the current round holds slots. Call only with the stash used up; ``taken`` are the
+        slots this selection took so far (still labelled)."""
+        r = self._next
+        if r >= self.round:
+            return None
+        idx = self._k.label_members(self._pool, r)
+        if idx.numel() == 0:
+            # Round r holds nothing (idle rounds, or all of it re-touched or freed): jump to
+            # the oldest label held. The slots already taken hold the oldest labels of all:
+            # untrack them first (the caller's final untracking repeats it, harmlessly).
+            for t in taken:
+                K.reference.fill_at(self.labels, t, UNTRACKED)
+            r = int(self._pool.min()) if self.num_slots else UNTRACKED
+            if r >= self.round:  # UNTRACKED, or only the current round left
+                return None
+            idx = self._k.label_members(self._pool, r)
+        self._next = r + 1
+        self.harvests += 1
+        return r, idx
 
-    def _room(self, n: int) -> int:
-        """Make room for ``n`` entries at the tail without splitting them across the ring's end;
-        returns the index of the tail. Wrapping pads the ring's end with the dummy slot (stale
-        entries, skipped by the filter). A ring 3/4 full (a large pool that evicts little, so
-        stale entries pile up behind the head) is compacted incrementally: each push advances
-        a pass by 4x its own size (a pass covers at most 3/4 of the ring, so it ends after at
-        most 3/16 of a ring of pushes, before the ring is full) and no single step pays an
-        O(ring) compaction. Only a ring that fills anyway is compacted at once."""
-        if self._pass is None and self.tail + n - self._lo() > self.cap * 3 // 4 \
-                and self.cur_start > self.head:
-            self._pass = [self.cur_start] * 3
-        if self._pass is not None:
-            self._pass_step(max(4 * n, self.pass_budget_min))
-        t = self.tail % self.cap
-        pad = self.cap - t if t + n > self.cap else 0
-        lo = self._lo()
-        if self.tail + pad + n - lo > self.cap:
-            self._compact()
-            return self.tail
-        if pad:
-            self.qslot[t:].fill_(self.num_slots)
-            self.tail += pad
-            self.wraps += 1
-            t = 0
-        return t
-
-    def _push(self, slots: torch.Tensor, n: int) -> None:
-        t = self._room(n)
-        self._k.queue_push(slots, self.qslot, self.qpos, t, self.iota[t:t + n])
-        self.tail += n
-
-    def _spans(self, a: int, b: int):
-        """Index ranges of the absolute positions ``[a, b)``: one, or two across the ring's end."""
-        if b <= a:
-            return []
-        i, j = a % self.cap, (b - 1) % self.cap + 1
-        return [(i, j)] if i < j else [(i, self.cap), (0, j)]
-
-    def _live_in(self, a: int, b: int) -> list:
-        qs, qp, io = self.qslot, self.qpos, self.iota
-        return [self._k.queue_take(qs[i:j], io[i:j], qp, j - i)[0] for i, j in self._spans(a, b)]
-
-    def _stash_live(self) -> torch.Tensor:
-        """The stash's entries still live (not re-touched, released or evicted), in order."""
-        st = self._stash
-        return self._k.queue_take(st[0], st[1], self.qpos, st[0].numel())[0]
-
-    def _pass_step(self, budget: int) -> None:
-        """Advance the compaction pass by about ``budget`` entries, from its cursor towards the
-        head: each window's live entries move, in order, to just before the packed part (their
-        old entries turn stale by the ``qpos`` rule). When the cursor meets the head, the head
-        jumps to the packed part and the positions before it are free."""
-        cc, ps, _ = self._pass
-        cap = self.cap
-        while budget > 0 and cc > self.head:
-            j = (cc - 1) % cap + 1  # one past the window's last ring index
-            m = min(budget, cc - self.head, j)  # a window never crosses the ring's end
-            i = j - m
-            live = self._k.queue_take(self.qslot[i:j], self.iota[i:j], self.qpos, m)[0]
-            g = live.numel()
-            if g and not (g == m and ps == cc):  # (all live, nothing dead after: in place)
-                off = 0
-                for a, b in self._spans(ps - g, ps):
-                    self._k.queue_push(live[off:off + b - a].long(), self.qslot, self.qpos, a,
-                                       self.iota[a:b])
-                    off += b - a
-            cc, ps, budget = cc - m, ps - g, budget - m
-        if cc <= self.head:
-            self.head, self._pass = ps, None
-            self.passes += 1
-        else:
-            self._pass[:2] = cc, ps
-
-    def _compact(self) -> None:
-        """Move the live entries to the front of the queue, keeping their order."""
-        past = self._live_in(self.head, self.cur_start)
-        if self._stash is not None:
-            past.insert(0, self._stash_live())
-            self._stash = None
-        n_past = sum(x.numel() for x in past)
-        live = torch.cat(past + self._live_in(self.cur_start, self.tail))
-        n = live.numel()
-        self._k.queue_push(live.long(), self.qslot, self.qpos, 0, self.iota[:n])
-        self.head, self.cur_start, self.tail = 0, n_past, n
-        self._pass = None  # (its dead stretch held only stale entries: the scan skipped them)
-        self.compactions += 1
+    def _rebase(self) -> None:
+        """Shift every label and the round down by ``round - label_limit // 2`` (O(pool));
+        labels older than that fold into round 0, one cold bucket in slot order. The stash is
+        dropped (its slots keep their labels, so harvests find them again): a fold may put
+        other slots in its round."""
+        base = self.round - self.label_limit // 2
+        lab = self._pool
+        held = lab != UNTRACKED
+        lab.copy_(torch.where(held, (lab - base).clamp_(min=0), lab))
+        self.round -= base
+        self._next, self._stash = 0, None
+        self._src_round = None
+        self.rebases += 1
 
     # ------------------------------------------------------------------ policy API
     def hit_touch(self, loc_vals):
-        bound = min(loc_vals.numel(), self.num_slots)  # hits are distinct device slots
-        t = self._room(bound)
-        hit, hs = self._k.hit_touch_push(loc_vals, self.qslot, self.qpos, t, self.iota)
-        self.tail += hs.numel()
-        return hit, hs
+        return self._k.label_hit_touch(loc_vals, self.labels, self.num_slots, self.round,
+                                       self._round_src(loc_vals.numel()))
 
     def touch(self, slots):
         n = slots.numel()
         if n:
-            self._push(slots, n)
+            self.labels.scatter_(0, slots, self._round_src(n))
 
     def release(self, slots):
         if slots.numel():
-            K.reference.fill_at(self.qpos, slots, UNTRACKED)
+            K.reference.fill_at(self.labels, slots, UNTRACKED)
 
     def select_victims(self, k: int) -> torch.Tensor:
         if k <= 0:
             return self._empty
-        qp = self.qpos
-        parts, need = [], k
-        stash, new_stash = self._stash, None
-        if stash is not None:  # the oldest live entries: they go first
-            live = self._stash_live()
-            g = live.numel()
-            parts.append(live[:need])
-            if g > need:
-                rest = live[need:]
-                rpos = qp.index_select(0, rest)
-                # The first stashed position, exactly: a stale lower bound would make the
-                # ring look fuller than it is and compact early.
-                new_stash = (rest, rpos, stash[2] + (int(rpos[0]) - stash[2]) % self.cap)
-            need = max(0, need - g)
-        h, end = self.head, self.cur_start
+        lab, parts, rounds, need = self.labels, [], [], k
+        bucket, rest = self._stash, None
+        self._stash = None
         while need:
-            if self._pass is not None and h >= self._pass[0]:
-                h, self._pass = self._pass[1], None  # skip the dead stretch: the pass is over
-                self.passes += 1
-            avail = end - h
-            if avail <= 0:
-                got = k - need
-                raise CapacityError(
-                    f"need {k} device victims but only {got} slots are outside the current "
-                    "round (the round's working set exceeds the device pool)")
-            m = max(_MIN_WINDOW, int(need / self._live * _OVERSCAN) + 64)
-            if 2 * m >= avail:  # a short remainder would cost another round of ops
-                m = avail
-            i = h % self.cap
-            m = min(m, self.cap - i)  # a window never crosses the ring's end
-            if self._pass is not None:
-                m = min(m, self._pass[0] - h)  # ... nor the pass's cursor
-            live, _, g = self._k.queue_take(self.qslot[i:i + m], self.iota[i:i + m], qp, m)
-            # Up at once, down at most 1.2x per window: a dead stretch (e.g. a finished
-            # request's entries) must not size the next windows for it. Too small a window
-            # costs another window (~6 ops); too large reads dead entries (with a 4x limit,
-            # 2-3x oversized windows after dead stretches cost 10-15 % of the selection time
-            # at 25 % pools, batch 32-128).
-            self._live = max(_MIN_LIVE, g / m, self._live / 1.2)
-            parts.append(live[:need])
-            if g <= need:
-                need -= g
-                h += m
-                continue
-            # Stash up to a selection's worth of the live entries beyond those needed; the head
-            # passes the window, or stops after the last one stashed.
-            keep = min(g - need, max(need, _MIN_WINDOW))
-            rest = live[need:need + keep]
-            rpos = qp.index_select(0, rest)
-            new_stash = (rest, rpos, h + int(rpos[0]) - i)
-            h += m if need + keep == g else int(rpos[-1]) - i + 1
-            need = 0
-        vic = (parts[0] if len(parts) == 1 else torch.cat(parts)).long()
-        K.reference.fill_at(qp, vic, UNTRACKED)  # untracked until touched again
-        self.head, self._stash = h, new_stash
+            if bucket is None:
+                bucket = self._harvest(parts)
+                if bucket is None:
+                    # Nothing changed but labels of taken slots (when a harvest untracked
+                    # them) and the harvest hint: put both back, the oldest bucket first.
+                    for r, t in zip(rounds, parts):
+                        lab.index_fill_(0, t, r)
+                    if parts:
+                        self._stash, self._next = (rounds[0], parts[0]), rounds[0] + 1
+                    raise CapacityError(
+                        f"need {k} device victims but only {k - need} slots are outside the "
+                        "current round (the round's working set exceeds the device pool)")
+            r, slots = bucket
+            live = self._k.label_live(slots, lab, r)
+            if live.numel() > need:
+                rest, live = (r, live[need:]), live[:need]
+            parts.append(live)
+            rounds.append(r)
+            need -= live.numel()
+            bucket = None
+        vic = parts[0] if len(parts) == 1 else torch.cat(parts)
+        K.reference.fill_at(lab, vic, UNTRACKED)  # untracked until touched again
+        self._stash = rest
         return vic
 
     def advance_round(self) -> None:
-        self.cur_start = self.tail
         self.round += 1
+        if self.round >= self.label_limit:
+            self._rebase()
 
     # ------------------------------------------------------------------ introspection
     def bucket_of(self) -> torch.Tensor:
         """Per slot: 1 = current round's bucket, 0 = an older bucket, -1 untracked.
 
-        O(S), tests only; checks the queue invariants on the way.
+        O(S), tests only; checks the label invariants on the way.
         """
-        if self._small is not None:
-            last, rs = self._small.last, self._small.round_start
-            out = torch.full_like(last, -1)
-            tracked = last != _SMALL_UNTRACKED
-            out[tracked] = (last[tracked] >= rs).to(torch.int64)
-            return out
-        qp = self.qpos[:self.num_slots]
-        tracked = qp != UNTRACKED
-        pos = qp.masked_select(tracked)
-        sl = tracked.nonzero().squeeze(1)
-        if not self.head <= self.cur_start <= self.tail <= self.head + self.cap:
-            raise AssertionError("queue bounds out of order")
-        if self._pass is not None:
-            cc, ps, pend = self._pass
-            if not self.head <= cc <= ps <= pend <= self.cur_start:
-                raise AssertionError(f"compaction pass out of order: {self._pass}")
-            dead = torch.cat([self.iota[i:j] for i, j in self._spans(cc, ps)] or [self.iota[:0]])
-            if dead.numel() and bool((self.qpos.index_select(0, self.qslot.index_select(0, dead).long())
-                                      == dead).any()):
-                raise AssertionError("a live entry in the compaction pass's dead stretch")
-        if int(self.qpos[self.num_slots]) != UNTRACKED:
-            raise AssertionError("the dummy slot is tracked")
-        rel = (pos - self.head % self.cap) % self.cap  # distance from the head
-        stashed = torch.zeros_like(tracked)
-        if self._stash is not None:  # live stash entries lie before the head
-            st = self._stash
-            stashed[self._stash_live()] = True
-            if not (st[2] <= self.head and self.tail - st[2] <= self.cap
-                    and st[2] % self.cap == int(st[1][0])):
-                raise AssertionError("stash position out of the ring")
-        if pos.numel():
-            if bool((rel >= self.tail - self.head).logical_and_(~stashed.masked_select(tracked)).any()):
-                raise AssertionError("live entry outside [head, tail) and the stash")
-            if not torch.equal(self.qslot.index_select(0, pos).long(), sl):
-                raise AssertionError("qpos and the queue disagree")
-        out = torch.full_like(qp, -1, dtype=torch.int64)
-        cur = (rel >= self.cur_start - self.head) & (rel < self.tail - self.head)
-        out.masked_scatter_(tracked, cur.to(torch.int64))
-        return out
+        lab = self._pool.to(torch.int64)
+        held = lab != UNTRACKED
+        vals = lab.masked_select(held)
+        if bool((vals > self.round).any()) or bool((vals < 0).any()):
+            raise AssertionError("a label outside [0, round]")
+        st = self._stash
+        if st is not None and bool((vals < st[0]).any()):
+            raise AssertionError("a bucket older than the stash's")
+        low = held & (lab < self._next)
+        if bool(low.any()):
+            inside = torch.zeros_like(held)
+            if st is not None:
+                inside[st[1]] = True
+            if bool((low & ~inside).any()) or bool((lab.masked_select(low) != st[0]).any()):
+                raise AssertionError("a label below the next harvest outside the stash")
+        out = torch.where(lab == self.round, 1, 0)
+        return out.masked_fill(~held, -1)

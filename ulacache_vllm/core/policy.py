@@ -17,14 +17,12 @@ class EvictionPolicy:
     name = "base"
 
     def hit_touch(self, loc_vals: torch.Tensor):
-        """Hit detection + touch over internal table values of unique entries.
-
-        Returns ``(hit_mask, hit_slots)``: the hits' slots compacted, in input order.
-        """
+        """Hit detection + touch over internal table values of unique entries (-1: unmapped);
+        returns the hit mask (device entries)."""
         hit, hs = split_hits(loc_vals)
         if hs.numel():
             self.touch(hs)
-        return hit, hs
+        return hit
 
     def touch(self, slots: torch.Tensor) -> None:
         """Mark unique occupied ``slots`` as used in the current round."""

@@ -126,7 +126,7 @@ class RemoteRowBuffer(PlanQueue):
         v = self.table.index_select(0, u)
         if self._pending:  # a hit on a row still being fetched is read after that fetch
             self._wait_for(u.masked_select(v >= 0))
-        hit, _ = self.policy.hit_touch(v)
+        hit = self.policy.hit_touch(v)
         miss = K.compact(u, ~hit)
         m = miss.numel()
         self.stats.lookups += u.numel()

@@ -63,7 +63,7 @@ class UlaSettings:
     """ulacache knobs, given as `--ula-*` flags or `LLM(ula_*=...)` keyword arguments."""
 
     host_pool_gib: float = 4.0  # host-tier capacity for sparse-MLA KV rows
-    lru: str = "pblru"  # victim policy: pblru | pblru_bitmap | exact_ts | exact_list
+    lru: str = "pblru"  # victim policy: pblru | pblru_queue | pblru_bitmap | exact_ts | exact_list
     trace_path: str | None = None  # opt-in: write per-step selected logical addresses here
     fast_path: bool = True  # identity placement (no translation) until the device pool overflows
 
