@@ -1,7 +1,8 @@
 """PB-LRU vs exact LRU (timestamp scan, O(1) linked list): hit rate and per-step policy time.
 
-PB-LRU is measured in both forms: the default queue design (``pblru``) and the published
-bucket-bitmap design (``pblru_bitmap``, the "bmap" columns), each against the faster exact LRU.
+PB-LRU is measured in three forms, each against the faster exact LRU: the default round-label
+design (``pblru``), the position-ordered queue it replaced (``pblru_queue``, the "queue"
+columns: exact LRU order) and the published bucket-bitmap design (``pblru_bitmap``, "bmap").
 
 Replays identical DSA-like traces (or a recorded one, ``--trace FILE``) through a
 ``TieredMapping`` per policy, at several batch sizes and device-pool sizes (fractions of the
@@ -149,7 +150,7 @@ def main():
     rows = []
     hdr = (f"{'batch':>6} {'pool%':>5} {'slots':>8} | {'hit pblru':>9} {'hit ts':>7} {'hit list':>8} "
            f"{'d/ts':>6} {'d/list':>6} {'noise':>5} | {'ms pblru':>8} {'ms ts':>7} {'ms list':>8} {'speedup':>7} {'med':>6} {'path':>5} | "
-           f"{'hit bmap':>8} {'ms bmap':>7} {'x bmap':>6}")
+           f"{'ms queue':>8} {'x queue':>7} | {'hit bmap':>8} {'ms bmap':>7} {'x bmap':>6}")
     print(hdr)
     print("-" * len(hdr))
     t0 = time.time()
@@ -180,15 +181,16 @@ def main():
             best_med = min(r["ms_median_step_exact_ts"], r["ms_median_step_exact_list"])
             r["speed_ratio_median_step"] = (best_med / r["ms_median_step_pblru"]
                                             if r["ms_median_step_pblru"] else float("inf"))
-            r["hit_diff_pp_bitmap"] = r["hit_pblru_bitmap"] - best_hit
-            r["speed_ratio_bitmap"] = (best_ms / r["ms_pblru_bitmap"] if r["ms_pblru_bitmap"]
-                                       else float("inf"))
+            for v, suffix in (("pblru_bitmap", "bitmap"), ("pblru_queue", "queue")):
+                r[f"hit_diff_pp_{suffix}"] = r[f"hit_{v}"] - best_hit
+                r[f"speed_ratio_{suffix}"] = best_ms / r[f"ms_{v}"] if r[f"ms_{v}"] else float("inf")
             rows.append(r)
             print(f"{b!s:>6} {int(f * 100):>4}{'*' if r['clamped'] else ' '} {pool:>8} | {r['hit_pblru']:9.3f} "
                   f"{r['hit_exact_ts']:7.3f} {r['hit_exact_list']:8.3f} {r['d_ts_pp']:+6.2f} "
                   f"{r['d_list_pp']:+6.2f} {r['noise_pp']:5.2f} | "
                   f"{r['ms_pblru']:8.3f} {r['ms_exact_ts']:7.3f} {r['ms_exact_list']:8.3f} "
-                  f"{r['speed_ratio']:6.2f}x {r['speed_ratio_median_step']:5.2f}x {r['pblru_path']:>5} | "
+                  f"{r['speed_ratio']:6.2f}x {r['speed_ratio_median_step']:5.2f}x {r['pblru_path'][:5]:>5} | "
+                  f"{r['ms_pblru_queue']:8.3f} {r['speed_ratio_queue']:6.2f}x | "
                   f"{r['hit_pblru_bitmap']:8.3f} {r['ms_pblru_bitmap']:7.3f} {r['speed_ratio_bitmap']:5.2f}x",
                   flush=True)
     print(f"(* pool raised to 1.25x the peak per-round appends; a round whose selections exceed "
@@ -196,17 +198,19 @@ def main():
           f"exact LRU (pp); noise: |ts - list| (pp), the tie-break spread between two exact LRUs; "
           f"ms: policy calls only, a replay's time per step (amortised), median over repeats; "
           f"speedup = best exact LRU ms / PB-LRU ms; med: the same ratio of median steps; path: PB-LRU's victim "
-          f"search, queue windows or the small-pool timestamp scan; bmap: the bucket-bitmap PB-LRU "
+          f"search (round-label harvests); queue: the queue PB-LRU (exact LRU order, hit rate = the exact LRUs'; "
+          f"ms, speedup vs the same best exact LRU); bmap: the bucket-bitmap PB-LRU "
           f"(hit rate, ms, speedup vs the same best exact LRU); "
           f"{time.time() - t0:.1f}s)")
     calls = ("hit_touch", "touch", "select_victims")
     print("\nms per step by policy call (mean over all steps and repeats): hit detection + touch "
           "of the hits, other touches (promoted / new entries), victim selection; worst: the "
           "slowest step (ms)")
-    print(f"{'batch':>6} {'pool%':>5} | " + " | ".join(f"{n:^35}" for n in ("pblru", "exact_ts")))
+    shown = ("pblru", "pblru_queue", "exact_ts")
+    print(f"{'batch':>6} {'pool%':>5} | " + " | ".join(f"{n:^35}" for n in shown))
     for r in rows:
         cells = [" ".join(f"{r[f'ms_by_call_{lru}'].get(c, 0.0):8.3f}" for c in calls)
-                 + f" {r[f'ms_worst_step_{lru}']:8.3f}" for lru in ("pblru", "exact_ts")]
+                 + f" {r[f'ms_worst_step_{lru}']:8.3f}" for lru in shown]
         print(f"{r['batch']!s:>6} {int(r['frac'] * 100):>5} | " + " | ".join(cells))
     out = pathlib.Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -226,10 +230,12 @@ def main():
         for f in a.fracs:
             rs = [r for r in rows if r["frac"] == f]
             xs = [str(r["batch"]) for r in rs]
-            line = ax[0].plot(xs, [r["hit_diff_pp"] for r in rs], marker="o", label=f"queue, pool {int(f * 100)}%")[0]
+            line = ax[0].plot(xs, [r["hit_diff_pp"] for r in rs], marker="o", label=f"labels, pool {int(f * 100)}%")[0]
             ax[0].plot(xs, [r["hit_diff_pp_bitmap"] for r in rs], marker="x", ls="--", color=line.get_color(),
                        label=f"bitmap, pool {int(f * 100)}%")
             ax[1].plot(xs, [r["speed_ratio"] for r in rs], marker="o", color=line.get_color(),
+                       label=f"labels, pool {int(f * 100)}%")
+            ax[1].plot(xs, [r["speed_ratio_queue"] for r in rs], marker="s", ls=":", color=line.get_color(),
                        label=f"queue, pool {int(f * 100)}%")
             ax[1].plot(xs, [r["speed_ratio_bitmap"] for r in rs], marker="x", ls="--", color=line.get_color(),
                        label=f"bitmap, pool {int(f * 100)}%")

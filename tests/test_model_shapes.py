@@ -41,8 +41,6 @@ def runs(tiny_model):
         kw, env = {"kv_backend": backend}, None
         if backend == "ulacache":
             kw.update(kv_cache_memory_bytes=ULA_KV_BYTES, ula_host_pool_gib=ULA_HOST_GIB)
-            # Pools this small would take PB-LRU's timestamp scan; run its queue instead.
-            env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"}
         else:
             kw.update(kv_cache_memory_bytes=256 << 20)
         out[backend] = run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw},
@@ -57,5 +55,6 @@ def test_other_shape_token_exact_under_pressure(runs):
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
     u = ula["usage"]
     assert u["device_used"] == 0 and u["host_used"] == 0, u
-    # One mapping table per sparse-MLA layer (three groups), each on PB-LRU's queue.
-    assert u["victim_paths"] == ["queue"] * 3, u
+    # One mapping table per sparse-MLA layer (three groups), each on the default PB-LRU's
+    # small-pool path (pools this small take the timestamp scan).
+    assert u["victim_paths"] == ["scan"] * 3, u

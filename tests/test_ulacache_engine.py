@@ -60,11 +60,13 @@ emit(res)
 """
 
 
-def _run(model, backend, trace_path=None, env=None):
+def _run(model, backend, trace_path=None, env=None, lru=None):
     kw = {"kv_backend": backend}
     if backend == "ulacache":
         kw.update(kv_cache_memory_bytes=ULA_KV_BYTES, ula_host_pool_gib=ULA_HOST_GIB,
                   ula_trace_path=str(trace_path))
+        if lru:
+            kw["ula_lru"] = lru
     else:
         kw.update(kv_cache_memory_bytes=REF_KV_BYTES)
     return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend},
@@ -75,10 +77,11 @@ def _run(model, backend, trace_path=None, env=None):
 def runs(request, tiny_model, tmp_path_factory):
     model = tiny_model(request.param)
     trace = tmp_path_factory.mktemp("trace") / "selections.jsonl"
-    # The ~2.7k-slot device pools here are below PB-LRU's small-pool threshold (a timestamp
-    # scan); GLM runs the queue instead, so both victim paths meet the real engine.
-    env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0" if request.param == "glm_dsa" else "4096"}
-    ula = _run(model, "ulacache", trace, env)
+    # DeepSeek runs the default PB-LRU's round labels, GLM the queue PB-LRU, both at every pool
+    # size (the ~2.7k-slot pools here are below the small-pool threshold, whose timestamp scan
+    # test_model_shapes runs): every victim search meets the real engine.
+    env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"}
+    ula = _run(model, "ulacache", trace, env, "pblru_queue" if request.param == "glm_dsa" else None)
     ula["trace_path"] = str(trace)
     return request.param, _run(model, "vllm"), ula
 
@@ -97,7 +100,7 @@ def test_token_exact_parity_under_pressure(runs):
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
     assert m["vllm:ulacache_lookups"] > m["vllm:ulacache_hits"] > 0, m
     assert m["vllm:ulacache_bytes_moved"] > 0, m
-    want = "queue" if name == "glm_dsa" else "scan"  # see the ``runs`` fixture
+    want = "queue" if name == "glm_dsa" else "rounds"  # see the ``runs`` fixture
     assert set(ula["usage_end"]["victim_paths"]) == {want}, ula["usage_end"]
     # It started in identity placement and left it when the device pool overflowed.
     assert m["vllm:ulacache_fast_path_exits"] >= 1, m
@@ -166,7 +169,7 @@ def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
     """DeepSeek-V3.2 with one MTP layer (its own sparse-MLA layer group): greedy speculative
     decoding gives the same tokens with ulacache under pressure as stock vLLM. This run also
     takes the published bucket-bitmap PB-LRU (``ula_lru="pblru_bitmap"``) through the engine;
-    the parity runs above cover the queue and scan victim paths."""
+    the parity runs above cover the round-label and queue PB-LRUs."""
     model = str(tiny_model("deepseek_v32", num_nextn_predict_layers=1))
     ref = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
         "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900)

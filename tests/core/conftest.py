@@ -1,18 +1,19 @@
-"""Core tests use tiny pools: run the queue PB-LRU's queue at every size there.
+"""Core tests use tiny pools: run both PB-LRUs' own searches (round labels, queue) at every
+size there.
 
-The small-pool fast path (a timestamp scan below ``SMALL_POOL_SLOTS``) would otherwise take
-every one of these pools; it is covered on its own by ``test_pblru_is_exact_lru`` (small=4096).
+The small-pool fast path (a timestamp scan up to ``SMALL_POOL_SLOTS``) would otherwise take
+every one of these pools; it is covered on its own (``small`` in the property tests).
 Module-scoped, not function-scoped: hypothesis refuses function-scoped fixtures under @given.
 """
 
 import pytest
 
-from ulacache_vllm.core import pblru_queue as pblru
+from ulacache_vllm.core import pblru, pblru_queue
 
 
 @pytest.fixture(autouse=True, scope="module")
-def _queue_at_every_pool_size():
-    old = pblru.SMALL_POOL_SLOTS
-    pblru.SMALL_POOL_SLOTS = 0
+def _own_search_at_every_pool_size():
+    old = pblru.SMALL_POOL_SLOTS, pblru_queue.SMALL_POOL_SLOTS
+    pblru.SMALL_POOL_SLOTS = pblru_queue.SMALL_POOL_SLOTS = 0
     yield
-    pblru.SMALL_POOL_SLOTS = old
+    pblru.SMALL_POOL_SLOTS, pblru_queue.SMALL_POOL_SLOTS = old

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent, RowStore,
                                 TieredMapping, unpack)
+from ulacache_vllm.core import pblru as labels_mod
 from ulacache_vllm.core import pblru_queue as pblru_mod
 
 POLICIES = ["pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"]
@@ -69,16 +70,17 @@ def _bits(words, n):
 def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
     num_logical = 6 * 64
     host_slots = 6 * 30 - dev_slots + host_extra  # small extra: the host often fills up
-    # small: the queue PB-LRU on its small-pool scan path (tests/core runs the queue by default).
-    pblru_mod.SMALL_POOL_SLOTS, old = (4096 if small else 0), pblru_mod.SMALL_POOL_SLOTS
+    # small: the PB-LRUs on their small-pool scan path (tests/core runs their own by default).
+    old = pblru_mod.SMALL_POOL_SLOTS, labels_mod.SMALL_POOL_SLOTS
+    pblru_mod.SMALL_POOL_SLOTS = labels_mod.SMALL_POOL_SLOTS = 4096 if small else 0
     try:
         m = TieredMapping(num_logical, dev_slots, host_slots, lru=lru, ring_size=ring)
     finally:
-        pblru_mod.SMALL_POOL_SLOTS = old
+        pblru_mod.SMALL_POOL_SLOTS, labels_mod.SMALL_POOL_SLOTS = old
     if lru == "pblru_queue":
         assert m.policy.victim_path == ("scan" if small else "queue")
     elif lru == "pblru":
-        assert m.policy.victim_path == "rounds"
+        assert m.policy.victim_path == ("scan" if small else "rounds")
     store = RowStore(dev_slots, host_slots)
     lens = {r: 0 for r in range(6)}
     live: dict[int, int] = {}
@@ -470,6 +472,9 @@ def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "100")
     PB = pblru_mod.QueuePBLRU
     assert PB(100, "cpu").victim_path == "scan" and PB(101, "cpu").victim_path == "queue"
+    LB = labels_mod.PBLRU
+    assert LB(100, "cpu").victim_path == "scan" and LB(101, "cpu").victim_path == "rounds"
+    assert LB(50, "cpu", small_pool_slots=0).victim_path == "rounds"
     assert TieredMapping(64, 100, 8, lru="pblru_queue").policy.victim_path == "scan"
     assert PB(50, "cpu", small_pool_slots=0).victim_path == "queue"  # the argument wins
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "lots")
@@ -477,17 +482,18 @@ def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
         PB(10, "cpu")
 
 
-def test_small_pool_calls_go_to_the_scan_and_a_re_init_switches_paths():
+@pytest.mark.parametrize("PB,own", [(pblru_mod.QueuePBLRU, "queue"), (labels_mod.PBLRU, "rounds")])
+def test_small_pool_calls_go_to_the_scan_and_a_re_init_switches_paths(PB, own):
     """Small pools call the timestamp scan's methods directly; re-running __init__ with other
     sizes (as the benchmark does) must switch both ways without stale bindings."""
-    PB = pblru_mod.QueuePBLRU
     p = PB(64, "cpu", small_pool_slots=100)
     assert p.select_victims == p._small.select_victims and p.victim_path == "scan"
     p.touch(torch.arange(4))
     p.advance_round()
     assert p.select_victims(2).tolist() == [0, 1]
-    p.__init__(64, "cpu", small_pool_slots=0)  # now the queue
-    assert "select_victims" not in vars(p) and p.victim_path == "queue"
+    assert p.bucket_of().tolist()[:4] == [-1, -1, 0, 0]
+    p.__init__(64, "cpu", small_pool_slots=0)  # now the PB-LRU's own search
+    assert "select_victims" not in vars(p) and p.victim_path == own
     p.touch(torch.arange(4))
     p.advance_round()
     assert p.select_victims(2).tolist() == [0, 1]

@@ -75,6 +75,14 @@ class TimestampLRU(EvictionPolicy):
     def advance_round(self) -> None:
         self.round_start = self.tick
 
+    def bucket_of(self) -> torch.Tensor:
+        """Per slot: 1 = used in the current round, 0 = earlier, -1 untracked (tests)."""
+        last = self.last
+        out = torch.full_like(last, -1)
+        tracked = last != _UNTRACKED
+        out[tracked] = (last[tracked] >= self.round_start).to(torch.int64)
+        return out
+
 
 class ListLRU(EvictionPolicy):
     name = "exact_list"

@@ -26,10 +26,13 @@ Per-step cost, all of it tensor ops (numpy views on CPU, see ``kernels.reference
 Against the position-ordered queue this replaced (``lru="pblru_queue"``, exact LRU order),
 nothing here costs per touch beyond writing the label: the queue wrote an entry per touch and
 read each one back in its stale filter, at batch >= 32 about 74k entries a step with 25 % pools.
-Measured side by side (``benchmarks/pblru_vs_lru.py``), the labels are faster at every batch
-size, so there is no separate small-pool path. Against exact LRU the only difference is the
-order inside one round (slot order, not touch order); the hit rate comes out equal or slightly
-higher in the sweeps.
+Against exact LRU the only difference is the order inside one round (slot order, not touch
+order); the hit rate comes out within a few tenths of a point, mostly slightly higher.
+
+Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): a handful of
+ops per harvest costs more than one top-k over a few thousand slots, so such a pool runs the
+exact timestamp scan instead (``victim_path`` says which): the batch-1 fast path the published
+PB-LRU lacks.
 
 The stash is always the oldest bucket, and a harvest needs no search in the common case: every
 label below ``_next`` (the round after the last one harvested) is the stash's, because labels
@@ -50,22 +53,24 @@ import torch
 
 from ulacache_vllm import kernels as K
 
-from .policy import EvictionPolicy
+from .policy import EvictionPolicy, use_small_pool_scan
 from .pools import CapacityError
 
 IDX = torch.int32
 UNTRACKED = torch.iinfo(IDX).max  # the label of a slot in no bucket (free, released, evicted)
+# Pools up to this many slots take the timestamp scan (measured on CPU: at 829-2489 slots the
+# harvests cost 1.05-1.15x the scan per step at batch 1, from ~3.5k slots they are faster).
+SMALL_POOL_SLOTS = 4096
 
 
 class PBLRU(EvictionPolicy):
     name = "pblru"
-    victim_path = "rounds"  # for /metrics and the engine's usage report
     # Rounds are rebased once the current round reaches this (labels must stay below
     # UNTRACKED); an instance attribute may lower it (tests).
     label_limit = UNTRACKED - 1
 
     def __init__(self, num_slots: int, device: torch.device, ring_size: int = 8,
-                 cold_buckets: int = 8):
+                 cold_buckets: int = 8, small_pool_slots: int | None = None):
         if ring_size < 1:
             raise ValueError("ring_size must be >= 1")
         if cold_buckets < 0:
@@ -75,6 +80,9 @@ class PBLRU(EvictionPolicy):
         self.ring_size, self.cold_buckets = ring_size, cold_buckets
         self.device = torch.device(device)
         self.num_slots = S = num_slots
+        self._small = use_small_pool_scan(self, S, small_pool_slots, SMALL_POOL_SLOTS)
+        if self._small is not None:
+            S = 0  # the labels are never used
         # Label S is a dummy: misses of a hit_touch write it, and no scan reads it.
         self.labels = torch.full((S + 1,), UNTRACKED, dtype=IDX, device=self.device)
         self._pool = self.labels[:S]
@@ -87,6 +95,11 @@ class PBLRU(EvictionPolicy):
         self.harvests = 0     # counters, for tests and benchmarks
         self.rebases = 0
         self._k = K.impl(self.labels)  # Triton on CUDA, the reference on CPU
+
+    @property
+    def victim_path(self) -> str:
+        """How victims are found: ``"rounds"`` (label harvests) or the small-pool ``"scan"``."""
+        return "scan" if self._small is not None else "rounds"
 
     # ------------------------------------------------------------------ helpers
     def _round_src(self, n: int) -> torch.Tensor:
@@ -194,6 +207,8 @@ class PBLRU(EvictionPolicy):
 
         O(S), tests only; checks the label invariants on the way.
         """
+        if self._small is not None:
+            return self._small.bucket_of()
         lab = self._pool.to(torch.int64)
         held = lab != UNTRACKED
         vals = lab.masked_select(held)

@@ -76,15 +76,11 @@ is the batch-1 fast path the published PB-LRU lacks.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ulacache_vllm import kernels as K
 
-from .exact_lru import _UNTRACKED as _SMALL_UNTRACKED  # the small-pool scan's "untracked"
-from .exact_lru import TimestampLRU
-from .policy import EvictionPolicy
+from .policy import EvictionPolicy, use_small_pool_scan
 from .pools import CapacityError
 
 # The queue, its positions and ``qpos`` are int32: ring indices are below ``cap`` (< 2^31), and
@@ -99,7 +95,6 @@ UNTRACKED = torch.iinfo(IDX).max  # qpos of a slot with no live entry
 # 60-95 % overlap the queue -- whose cost follows the touches, not the pool -- was 0.81-0.97x
 # at ~10k slots: a 16k threshold keeps batch-1 pools on the scan).
 SMALL_POOL_SLOTS = 16384
-SMALL_POOL_ENV = "ULACACHE_PBLRU_SMALL_POOL_SLOTS"  # overrides SMALL_POOL_SLOTS, read per policy
 
 
 def default_queue_capacity(num_slots: int) -> int:
@@ -108,24 +103,12 @@ def default_queue_capacity(num_slots: int) -> int:
     return min(8 * num_slots + 4096, max(2 * num_slots, UNTRACKED - 1))
 
 
-def small_pool_threshold() -> int:
-    """The small-pool threshold in force: ``$ULACACHE_PBLRU_SMALL_POOL_SLOTS`` (read when a
-    policy is built, so a process may change it) or ``SMALL_POOL_SLOTS``."""
-    v = os.environ.get(SMALL_POOL_ENV)
-    if v is None or v.strip() == "":
-        return SMALL_POOL_SLOTS
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"{SMALL_POOL_ENV} must be an integer number of slots, got {v!r}") from None
-
 _MIN_LIVE = 1.0 / 64  # floor of the live-fraction estimate used to size the scan window
 # Scan windows: at least _MIN_WINDOW entries (a wider window costs far less than another
 # round of ~7 ops), else the victims still needed / the estimated live fraction * _OVERSCAN.
 _MIN_WINDOW = 1024
 _OVERSCAN = 1.1
 _PASS_MIN = 4096  # entries a compaction pass advances at least per push
-_POLICY_CALLS = ("hit_touch", "touch", "release", "select_victims", "advance_round")
 
 
 class QueuePBLRU(EvictionPolicy):
@@ -151,15 +134,7 @@ class QueuePBLRU(EvictionPolicy):
                              + ("" if queue_capacity is not None else
                                 f": a queue PB-LRU holds at most 2^30 - 1 slots, got {S}"))
         # The small-pool fast path: same victims (exact LRU), one top-k per selection.
-        small = small_pool_threshold() if small_pool_slots is None else small_pool_slots
-        self._small = TimestampLRU(S, self.device) if S <= small else None
-        # The small-pool path calls the scan's methods directly (instance attributes shadow
-        # this class's): no per-call indirection, so batch-1 pools cost what the scan costs.
-        for name in _POLICY_CALLS:
-            if self._small is not None:
-                setattr(self, name, getattr(self._small, name))
-            else:
-                self.__dict__.pop(name, None)  # (a re-__init__ may switch paths)
+        self._small = use_small_pool_scan(self, S, small_pool_slots, SMALL_POOL_SLOTS)
         if self._small is not None:
             S = Q = 0  # the queue is never used
         # Slot S is a dummy that is never tracked: it pads the queue's end when a push wraps.
@@ -375,11 +350,7 @@ class QueuePBLRU(EvictionPolicy):
         O(S), tests only; checks the queue invariants on the way.
         """
         if self._small is not None:
-            last, rs = self._small.last, self._small.round_start
-            out = torch.full_like(last, -1)
-            tracked = last != _SMALL_UNTRACKED
-            out[tracked] = (last[tracked] >= rs).to(torch.int64)
-            return out
+            return self._small.bucket_of()
         qp = self.qpos[:self.num_slots]
         tracked = qp != UNTRACKED
         pos = qp.masked_select(tracked)
