@@ -249,7 +249,7 @@ def hit_index(loc_vals: torch.Tensor, num_slots: int):
     scatters over a table of ``num_slots + 1`` entries."""
     if loc_vals.device.type == "cpu":
         # As unsigned, -1 is 2^64 - 1: one compare finds the hits, one minimum the indices.
-        u = loc_vals.contiguous().numpy().view(np.uint64)
+        u = loc_vals.to(torch.int64).contiguous().numpy().view(np.uint64)
         bound = np.uint64(num_slots)
         return torch.from_numpy(u < bound), torch.from_numpy(np.minimum(u, bound).view(np.int64))
     hit = (loc_vals >= 0) & (loc_vals < num_slots)

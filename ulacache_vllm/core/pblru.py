@@ -15,8 +15,8 @@ Per-step cost, all of it tensor ops (numpy views on CPU, see ``kernels.reference
 * touch of new entries and promotions: one ``scatter_``; release / eviction: one ``scatter_``
   of ``UNTRACKED``;
 * victim selection: a bucket is *harvested* when needed -- one scan of the labels for the
-  oldest round still present (the minimum label, so rounds nobody holds any more are skipped
-  at once) gives its slots in slot order. The part not taken waits in a stash and is taken
+  oldest round still held (see below: rounds nobody holds any more are skipped at once)
+  gives its slots in slot order. The part not taken waits in a stash and is taken
   first next time, after a filter that drops its slots re-touched, released or evicted since
   (their label moved on). Each round is harvested at most once (every label is the round it
   was written in, and the harvest takes every slot of its round), so a selection costs a

@@ -1,9 +1,10 @@
 """PB-LRU as published: a ring of per-round bucket bitmaps plus one cold bucket.
 
 ``lru="pblru_bitmap"``. The default ``lru="pblru"`` (pblru.py) keeps the same rules (victims
-never from the current round, oldest rounds first) on a position-ordered queue instead; this
-variant exists to measure that choice against the design it replaces
-(``benchmarks/pblru_vs_lru.py`` replays both).
+never from the current round, oldest rounds first) with one round label per slot instead of
+a bitmap per bucket, and ``lru="pblru_queue"`` on a position-ordered queue of touches; this
+variant exists to measure those choices against the design they replace
+(``benchmarks/pblru_vs_lru.py`` replays all three).
 
 State: one ``HierBitmap`` with ``ring_size`` recent rows and a cold row; row ``round %
 ring_size`` is the current bucket. All of it tensor ops:
@@ -17,7 +18,8 @@ ring_size`` is the current bucket. All of it tensor ops:
   the victims are then cleared from their rows.
 
 Order inside a bucket is slot order, not touch order, so the hit rate can differ from exact
-LRU (the queue variant matches it exactly). Summary levels are rebuilt lazily, once before each
+LRU (the queue variant matches it exactly; the round labels keep every round apart, where
+this folds rounds older than the ring into one cold bucket). Summary levels are rebuilt lazily, once before each
 search.
 """
 
