@@ -180,7 +180,8 @@ def _label_hit_touch_kernel(loc_ptr, labels_ptr, hit_ptr, num_slots, rnd, n, BLO
     v = tl.load(loc_ptr + offs, mask=m, other=-1)
     hit = (v >= 0) & (v < num_slots)
     tl.store(hit_ptr + offs, hit.to(tl.int8), mask=m)
-    tl.store(labels_ptr + v, tl.full((BLOCK,), 0, tl.int32) + rnd, mask=m & hit)
+    lab = (tl.zeros((BLOCK,), tl.int32) + rnd).to(labels_ptr.dtype.element_ty)
+    tl.store(labels_ptr + v, lab, mask=m & hit)
 
 
 def label_hit_touch(loc_vals: torch.Tensor, labels: torch.Tensor, num_slots: int, rnd: int,

@@ -210,8 +210,9 @@ def test_expand_first_k_one_strided_word():
 
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10**6), S=st.integers(0, 400), n=st.integers(0, 300),
-       hit_p=st.sampled_from([0.0, 0.3, 1.0]), rnd=st.integers(0, 2**31 - 2))
-def test_label_hit_touch(seed, S, n, hit_p, rnd):
+       hit_p=st.sampled_from([0.0, 0.3, 1.0]), rnd=st.integers(0, 2**15 - 2),
+       dtype=st.sampled_from([torch.int16, torch.int32]))
+def test_label_hit_touch(seed, S, n, hit_p, rnd, dtype):
     """Round-label hit detection + touch: device values (a slot below S) are hits and get
     label ``rnd``; host (tier 1), pending (tier 2) and unmapped (-1) values are misses and
     touch only the dummy label S. Triton == reference == brute force."""
@@ -220,10 +221,10 @@ def test_label_hit_touch(seed, S, n, hit_p, rnd):
     slots = torch.randperm(S, generator=g)[:n]  # unique entries -> distinct device slots
     tier = torch.where(torch.rand(n, generator=g) < hit_p, 0, torch.randint(1, 4, (n,), generator=g))
     loc = torch.where(tier == 3, -1, (tier << 32) | slots)
-    lab0 = torch.randint(0, 2**31 - 1, (S + 1,), generator=g, dtype=torch.int64).to(torch.int32)
+    lab0 = torch.randint(0, 2**15 - 1, (S + 1,), generator=g, dtype=torch.int64).to(dtype)
     expect = lab0.clone()
     expect[slots[tier == 0]] = rnd
-    src = torch.full((n,), rnd, dtype=torch.int32)
+    src = torch.full((n,), rnd, dtype=dtype)
     for mod in (ref, tk):
         lab = lab0.clone()
         hit = mod.label_hit_touch(loc, lab, S, rnd, src)

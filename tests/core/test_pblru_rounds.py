@@ -173,3 +173,15 @@ def test_zero_slots_and_bad_arguments():
     with pytest.raises(ValueError, match="num_slots"):
         PBLRU(-1, "cpu")
     assert ListLRU(4, "cpu").hit_touch(torch.tensor([-1, 2])).tolist() == [False, True]
+
+
+def test_default_label_limit_rebases_without_losing_order():
+    """70k rounds pass int16's end several times: labels stay in range, victims stay oldest
+    first (rounds older than ~16k fold into the cold bucket, here also in age order)."""
+    pb = PBLRU(80, "cpu", small_pool_slots=0)
+    for r in range(70000):
+        if r % 1000 == 0:
+            pb.touch(torch.tensor([r // 1000]))
+        pb.advance_round()
+    assert pb.rebases == 3 and 0 <= pb.round < 32767  # at rounds 32766, 49149, 65532
+    assert pb.select_victims(70).tolist() == list(range(70))
