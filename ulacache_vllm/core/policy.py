@@ -35,8 +35,10 @@ class EvictionPolicy:
 
     def select_victims(self, k: int) -> torch.Tensor:
         """Remove and return the ``k`` least recently used occupied slots, none used this round
-        (PB-LRU's queue and ``ListLRU`` return them least recent first; the timestamp scan's
-        top-k returns the same set in no particular order: a sort would cost it O(k log k))."""
+        (the queue PB-LRU and ``ListLRU`` return them least recent first; PB-LRU by round of
+        last use, then slot, so within a round it may pick other slots than an exact LRU; the
+        timestamp scan's top-k returns the exact LRU set in no particular order: a sort would
+        cost it O(k log k))."""
         raise NotImplementedError
 
     def release(self, slots: torch.Tensor) -> None:
