@@ -22,3 +22,24 @@ def select_all(policies, k):
         if first is not None:
             assert r.tolist() == first.tolist()
     return first
+
+
+def touch_new(policies, tracked, g, most=8):
+    """Touch up to ``most - 1`` random untracked slots on every policy; mark them tracked."""
+    free = (~tracked).nonzero().squeeze(1)
+    new = free[torch.randperm(free.numel(), generator=g)[: int(torch.randint(0, most, (1,), generator=g))]]
+    for p in policies:
+        p.touch(new)
+    tracked[new] = True
+
+
+def hit_some(policies, tracked, g, n=10):
+    """``hit_touch`` of up to ``n`` random tracked slots plus an unmapped (-1) and a host value
+    on every policy; asserts they agree and returns the hit mask."""
+    live = tracked.nonzero().squeeze(1)
+    vals = torch.cat([live[torch.randperm(live.numel(), generator=g)[:n]], torch.tensor([-1, (1 << 32) | 2])])
+    masks = [p.hit_touch(vals) for p in policies]
+    for h in masks[1:]:
+        assert torch.equal(h, masks[0])
+    assert masks[0].tolist() == [True] * (vals.numel() - 2) + [False, False]
+    return masks[0]

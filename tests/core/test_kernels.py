@@ -248,34 +248,33 @@ def test_label_members_and_live(seed, S, rounds, m):
     assert live.tolist() == [s for s in sl.tolist() if lab[s] == r]
 
 
-def test_pblru_rounds_same_with_triton_path(monkeypatch):
-    """The round-label PB-LRU on the Triton kernel picks the same victims and labels as on
-    the reference path, through hits with misses among them, releases and idle rounds."""
-    from _policy_drive import select_all
-    from ulacache_vllm.core import PBLRU
-
-    S = 40
+def _on_both_paths(monkeypatch, make):
+    """The same policy built twice: on the Triton kernels (interpreted) and on the reference."""
     pols = []
     for force in ("1", "0"):
         monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
-        pols.append(PBLRU(S, "cpu"))
+        pols.append(make())
     assert pols[0]._k is tk and pols[1]._k is ref
+    return pols
+
+
+def test_pblru_rounds_same_with_triton_path(monkeypatch):
+    """The round-label PB-LRU on the Triton kernel picks the same victims and labels as on
+    the reference path, through hits with misses among them, releases and idle rounds."""
+    from _policy_drive import hit_some, select_all, touch_new
+    from ulacache_vllm.core import PBLRU
+
+    S = 40
+    pols = _on_both_paths(monkeypatch, lambda: PBLRU(S, "cpu"))
     g = torch.Generator().manual_seed(7)
     tracked = torch.zeros(S, dtype=torch.bool)
     selected = 0
     for it in range(300):
         op = int(torch.randint(0, 6, (1,), generator=g))
         if op == 0:
-            free = (~tracked).nonzero().squeeze(1)
-            new = free[torch.randperm(free.numel(), generator=g)[: int(torch.randint(0, 8, (1,), generator=g))]]
-            for p in pols:
-                p.touch(new)
-            tracked[new] = True
+            touch_new(pols, tracked, g)
         elif op == 1:
-            live = tracked.nonzero().squeeze(1)
-            vals = torch.cat([live[torch.randperm(live.numel(), generator=g)[:10]], torch.tensor([-1, (1 << 32) | 2])])
-            h0, h1 = (p.hit_touch(vals) for p in pols)
-            assert torch.equal(h0, h1) and int(h0.sum()) == vals.numel() - 2
+            hit_some(pols, tracked, g)
         elif op in (2, 3):
             for p in pols:
                 for _ in range(1 + 3 * (op == 3)):
@@ -345,30 +344,20 @@ def test_hier_bitmap_first_k_and_derived_pool_view(seed):
 def test_queue_pblru_ring_same_with_triton_path(monkeypatch):
     """The queue PB-LRU on the Triton kernels picks the same victims as on the torch path
     through ring wraps, windows crossing the ring's end, stashes and compactions."""
-    from _policy_drive import select_all
+    from _policy_drive import hit_some, select_all, touch_new
     from ulacache_vllm.core import QueuePBLRU
 
     S = 24
-    pols = []
-    for force in ("1", "0"):
-        monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
-        pols.append(QueuePBLRU(S, "cpu", queue_capacity=2 * S + 5, small_pool_slots=0))
-    assert pols[0]._k is tk and pols[1]._k is ref
+    pols = _on_both_paths(monkeypatch, lambda: QueuePBLRU(S, "cpu", queue_capacity=2 * S + 5,
+                                                          small_pool_slots=0))
     g = torch.Generator().manual_seed(5)
     tracked = torch.zeros(S, dtype=torch.bool)
     for it in range(240):
         op = int(torch.randint(0, 6 if (it // 60) % 2 else 4, (1,), generator=g))
         if op == 0:
-            free = (~tracked).nonzero().squeeze(1)
-            new = free[torch.randperm(free.numel(), generator=g)[: int(torch.randint(0, 8, (1,), generator=g))]]
-            for p in pols:
-                p.touch(new)
-            tracked[new] = True
+            touch_new(pols, tracked, g)
         elif op == 1:
-            live = tracked.nonzero().squeeze(1)
-            vals = torch.cat([live[torch.randperm(live.numel(), generator=g)[:10]], torch.tensor([-1, (1 << 32) | 2])])
-            h0, h1 = (p.hit_touch(vals) for p in pols)
-            assert torch.equal(h0, h1)
+            hit_some(pols, tracked, g)
         elif op in (2, 3):
             for p in pols:
                 p.advance_round()
