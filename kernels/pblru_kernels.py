@@ -197,3 +197,5 @@ def label_hit_touch(loc_vals: torch.Tensor, labels: torch.Tensor, num_slots: int
 
 label_members = reference.label_members
 label_live = reference.label_live
+labels_below = reference.labels_below
+stable_argsort = reference.stable_argsort

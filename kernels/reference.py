@@ -169,7 +169,7 @@ def fill_at(t: torch.Tensor, idx: torch.Tensor, value: int) -> None:
     if n >= _FILL_SCATTER_MIN:
         t.scatter_(0, idx, const(value, n, t.device, t.dtype))
     elif n:
-        t.index_fill_(0, idx, value)
+        t.index_fill_(0, idx.long(), value)  # (scatter_ takes int32 indices, index_fill_ not)
 
 
 _CONST: dict = {}
@@ -281,3 +281,21 @@ def label_live(slots: torch.Tensor, labels: torch.Tensor, rnd: int) -> torch.Ten
         s = slots.numpy()
         return torch.from_numpy(s[labels.numpy()[s] == rnd])
     return slots.masked_select(labels.index_select(0, slots) == rnd)
+
+
+def labels_below(labels: torch.Tensor, rnd: int):
+    """``(slots, their labels)``: the indices (int64, ascending) whose label is below ``rnd``."""
+    if labels.device.type == "cpu":
+        a = labels.numpy()
+        idx = np.flatnonzero(a < rnd)
+        return torch.from_numpy(idx), torch.from_numpy(a[idx])
+    idx = (labels < rnd).nonzero().squeeze(1)
+    return idx, labels.index_select(0, idx)
+
+
+def stable_argsort(vals: torch.Tensor) -> torch.Tensor:
+    """Indices (int64) that sort ``vals`` ascending, ties in input order (numpy's radix sort
+    for 16-bit integers on CPU: O(n))."""
+    if vals.device.type == "cpu":
+        return torch.from_numpy(np.argsort(vals.numpy(), kind="stable").astype(np.int64, copy=False))
+    return torch.sort(vals, stable=True).indices

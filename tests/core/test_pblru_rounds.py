@@ -49,14 +49,16 @@ def _pick(pool, n, seed):
     return [pool[i] for i in torch.randperm(len(pool), generator=g)[:n].tolist()] if pool else []
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=400, deadline=None)
 @given(ops=st.lists(op, min_size=1, max_size=90), S=st.integers(1, 40),
-       limit=st.sampled_from([None, 4, 7]))
-def test_victims_follow_the_round_rule(ops, S, limit):
+       limit=st.sampled_from([None, 2, 4, 7]), max_harvests=st.sampled_from([0, 1, 3]))
+def test_victims_follow_the_round_rule(ops, S, limit, max_harvests):
     """Exact victims and order, CapacityErrors (which change nothing), hits through
     ``hit_touch`` (with -1 and host values among them), releases, idle rounds (harvests that
-    must jump over empty rounds) and label rebases (small ``label_limit``)."""
-    pb = PBLRU(S, "cpu")
+    must jump over empty rounds), label rebases (small ``label_limit``) and selections taken
+    in one pass after ``max_harvests`` harvests."""
+    pb = PBLRU(S, "cpu", small_pool_slots=0)  # (not the env's threshold)
+    pb.max_harvests = max_harvests
     if limit is not None:
         pb.label_limit = limit
     model = Model(limit or pb.label_limit)
@@ -100,7 +102,7 @@ def test_victims_follow_the_round_rule(ops, S, limit):
 def test_harvest_jumps_over_idle_rounds_and_each_round_is_harvested_once():
     """A thousand idle rounds between two buckets cost one wasted scan and a minimum, not a
     scan per round; a selection spread over many calls harvests each round once."""
-    pb = PBLRU(1000, "cpu")
+    pb = PBLRU(1000, "cpu", small_pool_slots=0)
     pb.touch(torch.arange(500, 1000))
     for _ in range(1000):
         pb.advance_round()
@@ -112,7 +114,7 @@ def test_harvest_jumps_over_idle_rounds_and_each_round_is_harvested_once():
 
 
 def test_rebase_keeps_order_and_folds_ancient_rounds():
-    pb = PBLRU(8, "cpu")
+    pb = PBLRU(8, "cpu", small_pool_slots=0)
     pb.label_limit = 10
     for s in range(8):  # slot s touched in round 2 s
         pb.touch(torch.tensor([s]))
@@ -127,7 +129,7 @@ def test_rebase_keeps_order_and_folds_ancient_rounds():
 
 
 def test_capacity_error_changes_nothing():
-    pb = PBLRU(10, "cpu")
+    pb = PBLRU(10, "cpu", small_pool_slots=0)
     pb.touch(torch.tensor([3, 1, 2]))
     pb.advance_round()
     pb.touch(torch.tensor([7, 8]))
@@ -162,7 +164,7 @@ def test_hit_rate_matches_exact_lru_on_a_dsa_trace():
 
 
 def test_zero_slots_and_bad_arguments():
-    pb = PBLRU(0, "cpu")
+    pb = PBLRU(0, "cpu", small_pool_slots=-1)
     pb.advance_round()
     with pytest.raises(CapacityError):
         pb.select_victims(1)
@@ -185,3 +187,32 @@ def test_default_label_limit_rebases_without_losing_order():
         pb.advance_round()
     assert pb.rebases == 3 and 0 <= pb.round < 32767  # at rounds 32766, 49149, 65532
     assert pb.select_victims(70).tolist() == list(range(70))
+
+
+def test_a_selection_over_many_thin_rounds_takes_one_pass():
+    """A thousand rounds of one slot each: one selection of all of them harvests
+    ``max_harvests`` rounds, then takes the rest in one pass, in (round, slot) order, and the
+    rest of the last round reached stays for the next selection."""
+    pb = PBLRU(3000, "cpu", small_pool_slots=0)
+    order = torch.randperm(1000, generator=torch.Generator().manual_seed(1))
+    for s in order.tolist():
+        pb.touch(torch.tensor([s, 1000 + s]))  # two slots a round
+        pb.advance_round()
+    got = pb.select_victims(1001)
+    want = [x for s in order.tolist() for x in (s, 1000 + s)][:1001]
+    assert got.tolist() == want and pb.harvests == pb.max_harvests == 3
+    assert pb.select_victims(1).tolist() == [1000 + order[500].item()]
+    assert pb.harvests == 3  # the stash held it
+    pb.bucket_of()
+
+
+def test_bad_label_limit_and_int32_slots():
+    pb = PBLRU(50, "cpu", small_pool_slots=0)
+    pb.label_limit = 1
+    with pytest.raises(ValueError, match="label_limit must be >= 2"):
+        pb.advance_round()
+    pb = PBLRU(50, "cpu", small_pool_slots=0)
+    pb.touch(torch.tensor([1, 2, 3], dtype=torch.int32))
+    pb.release(torch.tensor([2], dtype=torch.int32))
+    pb.advance_round()
+    assert pb.select_victims(2).tolist() == [1, 3]

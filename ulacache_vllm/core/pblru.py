@@ -11,23 +11,27 @@ Per-step cost, all of it tensor ops (numpy views on CPU, see ``kernels.reference
 
 * hit detection + touch (``hit_touch``): one compare gives the hit mask, one ``minimum`` sends
   the misses to a dummy label ``labels[S]``, one ``scatter_`` of the round writes the labels
-  (no boolean compaction of the hits; a Triton kernel on CUDA does all three);
+  (no boolean compaction of the hits; on CUDA one Triton kernel writes the flags and the
+  hits' labels);
 * touch of new entries and promotions: one ``scatter_``; release / eviction: one ``scatter_``
   of ``UNTRACKED``;
 * victim selection: a bucket is *harvested* when needed -- one scan of the labels for the
   oldest round still held (see below: rounds nobody holds any more are skipped at once)
   gives its slots in slot order. The part not taken waits in a stash and is taken
   first next time, after a filter that drops its slots re-touched, released or evicted since
-  (their label moved on). Each round is harvested at most once (every label is the round it
-  was written in, and the harvest takes every slot of its round), so a selection costs a
-  gather and a compare over the stash plus about one O(pool) scan per round consumed; with
-  the pool evicting one round's worth per step that is about one scan per step.
+  (their label moved on). A round is harvested once (the harvest takes every slot of its
+  round, and no slot gets an older label later), so a selection costs a gather and a compare
+  over the stash plus about one O(pool) scan per round consumed; with the pool evicting one
+  round's worth per step that is about one scan per step. A selection that would span more
+  than ``max_harvests`` rounds (many thin ones) takes the rest in one pass instead: the old
+  slots and a stable (radix) sort of their labels.
 
 Against the position-ordered queue this replaced (``lru="pblru_queue"``, exact LRU order),
 nothing here costs per touch beyond writing the label: the queue wrote an entry per touch and
 read each one back in its stale filter, at batch >= 32 about 74k entries a step with 25 % pools.
-Against exact LRU the only difference is the order inside one round (slot order, not touch
-order); the hit rate comes out within a few tenths of a point, mostly slightly higher.
+Against exact LRU the differences are the order inside one round (slot order, not touch
+order) and rounds older than ~16k folding into one (below); the hit rate comes out within a
+few tenths of a point, mostly slightly higher.
 
 Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): a handful of
 ops per harvest costs more than one top-k over a few thousand slots, so such a pool runs the
@@ -35,9 +39,9 @@ exact timestamp scan instead (``victim_path`` says which): the batch-1 fast path
 PB-LRU lacks.
 
 The stash is always the oldest bucket, and a harvest needs no search in the common case: every
-label below ``_next`` (the round after the last one harvested) is the stash's, because labels
-are only ever written with the current round (never below ``_next``) and a harvest takes every
-slot of its round. So once the stash is used up, round ``_next`` is the oldest held unless it
+label below ``_next`` (the round after the last one harvested) is the stash's, because touches
+write the current round (never below ``_next``), a harvest takes every slot of its round, and
+a failed selection restores the labels it took and sets ``_next`` back. So once the stash is used up, round ``_next`` is the oldest held unless it
 is empty; only then does the harvest look for the minimum label (one more O(pool) reduction).
 Rounds are rebased before the labels reach int16's end (``_rebase``, O(pool) once per ~16k
 rounds; labels older than ~16k rounds fold into one cold bucket, in slot order, as the
@@ -62,16 +66,19 @@ from .pools import CapacityError
 # batch 32 / 25 % pools: 0.59 against 0.76 ms per step). Rounds are rebased every ~16k.
 IDX = torch.int16
 UNTRACKED = torch.iinfo(IDX).max  # the label of a slot in no bucket (free, released, evicted)
-# Pools up to this many slots take the timestamp scan (measured on CPU: at 829-2489 slots the
-# harvests cost 1.05-1.15x the scan per step at batch 1, from ~3.5k slots they are faster).
+# Pools up to this many slots take the timestamp scan (measured on CPU at batch 1: at 829-2489
+# slots the harvests cost 1.05-1.15x the scan per step, at ~7k and ~10k slots 0.9-0.95x).
 SMALL_POOL_SLOTS = 4096
 
 
 class PBLRU(EvictionPolicy):
     name = "pblru"
     # Rounds are rebased once the current round reaches this (labels must stay below
-    # UNTRACKED); an instance attribute may lower it (tests).
+    # UNTRACKED); an instance attribute may lower it (tests; at least 2).
     label_limit = UNTRACKED - 1
+    # Harvests per selection before the rest is taken in one pass (``_oldest``): bounds a
+    # selection's scans when it spans many thin rounds (e.g. after a CapacityError's restore).
+    max_harvests = 3
 
     def __init__(self, num_slots: int, device: torch.device, ring_size: int = 8,
                  cold_buckets: int = 8, small_pool_slots: int | None = None):
@@ -120,7 +127,7 @@ class PBLRU(EvictionPolicy):
 
     def _harvest(self, taken: list):
         """The oldest bucket held, ``(round, its slots in slot order)``, or ``None`` when only
-        the current round holds slots. Call only with the stash used up; ``taken`` are the
+        the current round holds slots (or none are held). Call only with the stash used up; ``taken`` are the
         slots this selection took so far (still labelled)."""
         r = self._next
         if r >= self.round:
@@ -145,6 +152,8 @@ class PBLRU(EvictionPolicy):
         labels older than that fold into round 0, one cold bucket in slot order. The stash is
         dropped (its slots keep their labels, so harvests find them again): a fold may put
         other slots in its round."""
+        if self.label_limit < 2:
+            raise ValueError(f"label_limit must be >= 2, got {self.label_limit}")
         base = self.round - self.label_limit // 2
         lab = self._pool
         held = lab != UNTRACKED
@@ -168,25 +177,53 @@ class PBLRU(EvictionPolicy):
         if slots.numel():
             K.reference.fill_at(self.labels, slots, UNTRACKED)
 
+    def _oldest(self, taken: list, need: int):
+        """The ``need`` oldest slots by (round, slot) in one pass over the pool, and the rest
+        of the last round they reach (the new stash); ``None`` when fewer than ``need`` lie
+        outside the current round (then with their count). For selections spanning many thin rounds: the result of
+        harvesting them one by one, at a bounded cost (a compare, a compaction and a stable
+        sort of the old slots' labels, radix on CPU). ``taken``: slots this selection took."""
+        for t in taken:  # their labels are the oldest: they must not count twice
+            K.reference.fill_at(self.labels, t, UNTRACKED)
+        old, lab = self._k.labels_below(self._pool, self.round)
+        if old.numel() < need:
+            return None, old.numel()
+        order = self._k.stable_argsort(lab)
+        lab_sorted = lab.index_select(0, order)
+        last = int(lab_sorted[need - 1])
+        rest = order[need:need + int((lab_sorted[need:] == last).sum())]  # sorted: a prefix
+        self._next = last + 1
+        return old.index_select(0, order[:need]), (last, old.index_select(0, rest))
+
     def select_victims(self, k: int) -> torch.Tensor:
         if k <= 0:
             return self._empty
         lab, parts, rounds, need = self.labels, [], [], k
         bucket, rest = self._stash, None
         self._stash = None
+        harvests = have = 0  # have: old slots beyond those taken (known after a failed pass)
         while need:
             if bucket is None:
-                bucket = self._harvest(parts)
+                if harvests < self.max_harvests:
+                    harvests += 1
+                    bucket = self._harvest(parts)
+                else:  # many thin rounds: one pass for the rest
+                    got, stash = self._oldest(parts, need)
+                    if got is not None:
+                        parts.append(got)
+                        rest = stash if stash[1].numel() else None
+                        break
+                    have = stash
                 if bucket is None:
-                    # Nothing changed but labels of taken slots (when a harvest untracked
-                    # them) and the harvest hint: put both back, the oldest bucket first.
+                    # Nothing changed but labels of taken slots (when a harvest or the pass
+                    # untracked them) and the harvest hint: put both back, oldest bucket first.
                     for r, t in zip(rounds, parts):
                         lab.index_fill_(0, t, r)
                     if parts:
                         self._stash, self._next = (rounds[0], parts[0]), rounds[0] + 1
                     raise CapacityError(
-                        f"need {k} device victims but only {k - need} slots are outside the "
-                        "current round (the round's working set exceeds the device pool)")
+                        f"need {k} device victims but only {k - need + have} slots are outside "
+                        "the current round (the round's working set exceeds the device pool)")
             r, slots = bucket
             live = self._k.label_live(slots, lab, r)
             if live.numel() > need:
