@@ -297,5 +297,6 @@ def stable_argsort(vals: torch.Tensor) -> torch.Tensor:
     """Indices (int64) that sort ``vals`` ascending, ties in input order (numpy's radix sort
     for 16-bit integers on CPU: O(n))."""
     if vals.device.type == "cpu":
-        return torch.from_numpy(np.argsort(vals.numpy(), kind="stable").astype(np.int64, copy=False))
+        order = np.argsort(vals.numpy(), kind="stable")
+        return torch.from_numpy(order.astype(np.int64, copy=False))
     return torch.sort(vals, stable=True).indices

@@ -41,8 +41,9 @@ PB-LRU lacks.
 The stash is always the oldest bucket, and a harvest needs no search in the common case: every
 label below ``_next`` (the round after the last one harvested) is the stash's, because touches
 write the current round (never below ``_next``), a harvest takes every slot of its round, and
-a failed selection restores the labels it took and sets ``_next`` back. So once the stash is used up, round ``_next`` is the oldest held unless it
-is empty; only then does the harvest look for the minimum label (one more O(pool) reduction).
+a failed selection restores the labels it took and sets ``_next`` back. So once the stash is
+used up, round ``_next`` is the oldest held unless it is empty; only then does the harvest
+look for the minimum label (one more O(pool) reduction).
 Rounds are rebased before the labels reach int16's end (``_rebase``, O(pool) once per ~16k
 rounds; labels older than ~16k rounds fold into one cold bucket, in slot order, as the
 published design's cold bucket does after its ring).
@@ -127,18 +128,16 @@ class PBLRU(EvictionPolicy):
 
     def _harvest(self, taken: list):
         """The oldest bucket held, ``(round, its slots in slot order)``, or ``None`` when only
-        the current round holds slots (or none are held). Call only with the stash used up; ``taken`` are the
-        slots this selection took so far (still labelled)."""
+        the current round holds slots (or none are held). Call only with the stash used up;
+        ``taken`` are the slots this selection took so far (still labelled)."""
         r = self._next
         if r >= self.round:
             return None
         idx = self._k.label_members(self._pool, r)
         if idx.numel() == 0:
             # Round r holds nothing (idle rounds, or all of it re-touched or freed): jump to
-            # the oldest label held. The slots already taken hold the oldest labels of all:
-            # untrack them first (the caller's final untracking repeats it, harmlessly).
-            for t in taken:
-                K.reference.fill_at(self.labels, t, UNTRACKED)
+            # the oldest label held.
+            self._untrack(taken)
             r = int(self._pool.min()) if self.num_slots else UNTRACKED
             if r >= self.round:  # UNTRACKED, or only the current round left
                 return None
@@ -177,14 +176,20 @@ class PBLRU(EvictionPolicy):
         if slots.numel():
             K.reference.fill_at(self.labels, slots, UNTRACKED)
 
-    def _oldest(self, taken: list, need: int):
-        """The ``need`` oldest slots by (round, slot) in one pass over the pool, and the rest
-        of the last round they reach (the new stash); ``None`` when fewer than ``need`` lie
-        outside the current round (then with their count). For selections spanning many thin rounds: the result of
-        harvesting them one by one, at a bounded cost (a compare, a compaction and a stable
-        sort of the old slots' labels, radix on CPU). ``taken``: slots this selection took."""
-        for t in taken:  # their labels are the oldest: they must not count twice
+    def _untrack(self, taken: list) -> None:
+        """Before a search of the whole pool: the slots a selection took so far hold the oldest
+        labels of all and must not be found again (the final untracking repeats it)."""
+        for t in taken:
             K.reference.fill_at(self.labels, t, UNTRACKED)
+
+    def _oldest(self, taken: list, need: int):
+        """``(the need oldest slots by (round, slot), the new stash)`` in one pass over the
+        pool (the stash: the rest of the last round they reach), or ``(None, count)`` when only
+        ``count < need`` lie outside the current round. For selections spanning many thin
+        rounds: the result of harvesting them one by one, at a bounded cost (a compare, a
+        compaction and a stable sort of the old labels, radix on CPU). ``taken``: slots this
+        selection took."""
+        self._untrack(taken)
         old, lab = self._k.labels_below(self._pool, self.round)
         if old.numel() < need:
             return None, old.numel()
