@@ -37,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from ulacache_vllm.arena import Arena, Band, KindSpec, RowSpec  # noqa: E402
 
+from _host import cpu_host  # noqa: E402  (beside this script)
+
 GiB = 1 << 30
 BLOCK = 16  # tokens per attention page (vLLM's default block size on GPU backends)
 RESULTS = ROOT / "benchmarks" / "results"
@@ -370,6 +372,7 @@ def main(argv=None) -> int:
     res = run(args.quick)
     res["quick"] = args.quick
     res["seconds"] = round(time.perf_counter() - t0, 1)
+    res["host"] = cpu_host()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = "arena_vs_split_pools" + ("_quick" if args.quick else "")

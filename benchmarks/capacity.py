@@ -95,6 +95,9 @@ def _worker(cfg: dict) -> dict:
         [t for t, d in zip(one["step_times"], one["decode_only"]) if d])
     if cfg["backend"] == "ulacache":
         res["usage"] = llm.collective_rpc("ulacache_usage")[0]
+    from _host import engine_path
+
+    res["engine_path"] = engine_path(llm, res.get("usage"))
     return res
 
 
@@ -102,6 +105,8 @@ def _worker(cfg: dict) -> dict:
 def _spawn(cfg: dict) -> dict:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent),
+                                                    env.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], env=env,
                          capture_output=True, text=True, timeout=cfg["timeout"])
@@ -167,6 +172,17 @@ def main() -> None:
                                     "ulacache": ula["step_ms_by_batch"][b]} for b in common},
         "eq_batch_step_ms": {n: r["eq_batch_step_ms"] for n, r in results.items()},
     }
+    from _host import cpu_host
+
+    host = cpu_host()
+    print(f"\nhost: {host['cpu']} ({host['cores']} cores), vLLM CPU MLA path: {host['mla_path']}")
+    for name, r in results.items():
+        p = r["engine_path"]
+        print(f"  {name:<10} block {p['block_size']}, chunked prefill {p['chunked_prefill']}, "
+              f"prefix caching {p['prefix_caching']}, max_num_batched_tokens "
+              f"{p['max_num_batched_tokens']}"
+              + (f" (lowered from {p['max_num_batched_tokens_default']})"
+                 if "max_num_batched_tokens_default" in p else ""))
     print(f"\nworkload: {args.num_requests} requests x {args.prompt_tokens} prompt tokens, "
           f"{args.output_tokens} output tokens; D={D} B device, H={H} B host\n")
     print(f"{'config':<18} {'peak running':>12} {'out tok/s':>10} {'TPOT b=1 ms':>12}")
@@ -184,7 +200,8 @@ def main() -> None:
     out = Path(args.out) / ("capacity_quick" if args.quick else "capacity")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
-        {"args": vars(args), "results": results, "summary": summary}, indent=2, default=str))
+        {"args": vars(args), "host": host, "results": results, "summary": summary}, indent=2,
+        default=str))
     _plot(results, summary, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 

@@ -33,6 +33,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 import torch
 
 from ulacache_vllm.core import TieredMapping
+
+from _host import cpu_host  # beside this script
 from ulacache_vllm.core.mapping import POLICIES as MAPPING_POLICIES
 from ulacache_vllm.core.trace import generate_dsa_trace, load_trace, replay
 
@@ -221,7 +223,7 @@ def main():
                    overlap=overlap)
     # Quick and trace runs get their own files: the full sweep's are the ones the README quotes.
     stem = "pblru_vs_lru" + ("_trace" if a.trace else "_quick" if a.quick else "")
-    (out / f"{stem}.json").write_text(json.dumps(dict(config=cfg, rows=rows), indent=1))
+    (out / f"{stem}.json").write_text(json.dumps(dict(config=cfg, host=cpu_host(), rows=rows), indent=1))
     try:
         import matplotlib
         matplotlib.use("Agg")

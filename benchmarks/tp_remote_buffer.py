@@ -22,6 +22,8 @@ import time
 import torch
 
 from ulacache_vllm.core import RemoteRowBuffer
+
+from _host import cpu_host  # beside this script
 from ulacache_vllm.core.trace import generate_dsa_trace, load_trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -117,7 +119,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     name = "tp_remote_buffer_quick" if a.quick else "tp_remote_buffer"
     cfg = dict(quick=a.quick, trace=a.trace, overlap=a.overlap, peak_demand=tr.peak_demand)
-    (out / f"{name}.json").write_text(json.dumps(dict(config=cfg, rows=rows), indent=1))
+    (out / f"{name}.json").write_text(json.dumps(dict(config=cfg, host=cpu_host(), rows=rows), indent=1))
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from . import (
     cli_args,
+    cpu_mla_path,
     cpu_sparse_attention,
     engine_config,
     engine_startup_error,
@@ -12,7 +13,7 @@ from . import (
 )
 
 ALL = (cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu, cpu_sparse_attention,
-       kv_cache_sizing)
+       cpu_mla_path, kv_cache_sizing)
 
 
 def apply_all() -> None:

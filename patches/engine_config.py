@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ulacache_vllm.engine import config as ula_config
 
+from . import cpu_mla_path
 from ._hook import replace
 
 HOOK = "engine_config"
@@ -28,6 +29,7 @@ def apply() -> None:
             from ulacache_vllm.engine import wiring
 
             wiring.prepare_engine_args(self, settings)
+        cpu_mla_path.record_requests(self)
         vllm_config = orig(self, *args, **kwargs)
         if backend == "ulacache":
             ula_config.check_model_supported(vllm_config.model_config)

@@ -114,6 +114,45 @@ BASE_LLM_KWARGS: dict[str, Any] = dict(
 # vLLM's CPU rotary kernel mishandles MLA's 3-D query views (wrong, batch-dependent results);
 # the native rotary path is correct.
 MLA_LLM_KWARGS: dict[str, Any] = dict(compilation_config={"custom_ops": ["all", "-rotary_embedding"]})
+# Dense MLA (DeepSeek-V3) on vLLM's reference CPU_MLA kernel on every host: on CPUs with AMX
+# tiles vLLM would pick AMX_MLA, which refuses the float32 weights the HF comparisons use.
+DENSE_MLA_LLM_KWARGS: dict[str, Any] = dict(MLA_LLM_KWARGS, attention_backend="CPU_MLA")
+
+
+def host_has_amx() -> bool:
+    """Whether vLLM's CPU build takes its AMX MLA path on this host (x86 with AMX tiles)."""
+    import platform
+
+    import torch
+
+    return platform.machine().lower() in ("x86_64", "amd64") and \
+        bool(torch.cpu._is_amx_tile_supported())
+
+
+# The two CPU MLA paths of vLLM's CPU build, as the scheduler and cache choices a DSA model
+# gets by default on each kind of host (README, "CPU hosts"). Pinning them makes a test run the
+# same schedule on every host; "host" leaves vLLM's defaults (whichever path this host takes).
+#   amx:       chunked prefill and prefix caching on, block 128, max_num_batched_tokens left
+#              to vLLM's default (LLM class 4096 x TP, server 2048 x TP).
+#   reference: chunked prefill and prefix caching off, block 16,
+#              max_num_batched_tokens = max(max_model_len, 2048).
+MLA_PATHS = ("amx", "reference", "host")
+
+
+def mla_path_kwargs(path: str, max_model_len: int = 1024) -> dict[str, Any]:
+    if path == "amx":
+        return dict(enable_chunked_prefill=True, enable_prefix_caching=True, block_size=128)
+    if path == "reference":
+        return dict(enable_chunked_prefill=False, enable_prefix_caching=False, block_size=16,
+                    max_num_batched_tokens=max(max_model_len, 2048))
+    if path == "host":
+        return {}
+    raise ValueError(f"unknown MLA path {path!r}; one of {MLA_PATHS}")
+
+
+def host_mla_path() -> str:
+    """The path vLLM picks by default for MLA on this host."""
+    return "amx" if host_has_amx() else "reference"
 
 _GENERATE = """
 from vllm import LLM, SamplingParams
@@ -130,13 +169,14 @@ emit({"runs": runs, "prompt_lens": prompt_lens, "text": [o.outputs[0].text for o
 
 def vllm_generate(model: str | os.PathLike, prompts: list[str], *, max_tokens: int = 16,
                   repeats: int = 2, llm_kwargs: dict[str, Any] | None = None,
-                  mla: bool = False, timeout: float = 600,
+                  mla: bool = False, dense_mla: bool = False, timeout: float = 600,
                   env: dict[str, str] | None = None) -> dict[str, Any]:
     """Greedy-generate ``prompts`` ``repeats`` times with one engine in a subprocess.
 
     Returns ``{"runs": [[token ids per prompt] per repeat], "prompt_lens", "text"}``.
     """
-    kw = {**BASE_LLM_KWARGS, **(MLA_LLM_KWARGS if mla else {}), **(llm_kwargs or {})}
+    mla_kw = DENSE_MLA_LLM_KWARGS if dense_mla else MLA_LLM_KWARGS if mla else {}
+    kw = {**BASE_LLM_KWARGS, **mla_kw, **(llm_kwargs or {})}
     return run_vllm_script(_GENERATE, args=dict(model=str(model), prompts=prompts,
                                                  max_tokens=max_tokens, repeats=repeats,
                                                  llm_kwargs=kw),

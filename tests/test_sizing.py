@@ -9,7 +9,7 @@ import torch
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
 from ulacache_vllm.engine.config import KVBackendError, UlaSettings
-from ulacache_vllm.engine.sizing import plan_layout
+from ulacache_vllm.engine.sizing import DEFAULTED_KEY, apply_batch_tokens, plan_layout
 
 BS = 16
 
@@ -26,12 +26,14 @@ def _specs(layers=2):
     return out
 
 
-def _config(batched=2048, chunked=False, max_len=1024, topk=64):
+def _config(batched=2048, chunked=False, max_len=1024, topk=64, defaulted=False, max_seqs=8):
     return SimpleNamespace(
         model_config=SimpleNamespace(max_model_len=max_len,
                                      hf_text_config=SimpleNamespace(index_topk=topk)),
         scheduler_config=SimpleNamespace(max_num_batched_tokens=batched,
-                                         enable_chunked_prefill=chunked))
+                                         max_num_scheduled_tokens=batched,
+                                         enable_chunked_prefill=chunked, max_num_seqs=max_seqs),
+        additional_config={DEFAULTED_KEY: ["max_num_batched_tokens"]} if defaulted else {})
 
 
 def test_layout_splits_the_budget():
@@ -44,9 +46,14 @@ def test_layout_splits_the_budget():
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_device_pool_too_small_names_a_fix_that_applies(chunked):
+@pytest.mark.parametrize("defaulted", [False, True])
+def test_device_pool_too_small_names_a_fix_that_applies(chunked, defaulted):
+    # Without chunked prefill (vLLM's reference CPU MLA path) a defaulted batch size is fixed
+    # too; with it, only an explicit one that does not fit is refused (a defaulted one is
+    # lowered when max_num_seqs still fits, not here: 1 MB holds almost no slots).
     with pytest.raises(KVBackendError, match="device pool too small") as e:
-        plan_layout(_config(chunked=chunked), _specs(), 1_000_000, UlaSettings(host_pool_gib=0.01))
+        plan_layout(_config(chunked=chunked, defaulted=defaulted), _specs(), 1_000_000,
+                    UlaSettings(host_pool_gib=0.01))
     msg = str(e.value)
     assert "2112" in msg  # max_num_batched_tokens 2048 + index_topk 64
     if chunked:
@@ -84,3 +91,47 @@ def test_suggested_host_pool_is_enough(max_len):
     gib = float(re.search(r"at least ([0-9.]+)", str(e.value)).group(1))
     lay = plan_layout(cfg, _specs(), 1 << 30, UlaSettings(host_pool_gib=gib))
     assert lay.host_slots >= max_len
+
+
+def _budget_for(device_slots, host_slots=4096):
+    row, idx = 2 * 576 * 4, 2 * 128 * 4
+    return device_slots * (row + idx + 2) + host_slots * (idx + 2), \
+        UlaSettings(host_pool_gib=host_slots * row / 2**30)
+
+
+def test_defaulted_batch_size_is_lowered_to_the_device_pool_with_chunked_prefill():
+    """The AMX path (chunked prefill on, LLM default 4096): a pool of 1024 slots starts with
+    max_num_batched_tokens 1024 - index_topk, the startup line says so, and the scheduler
+    config is lowered before the scheduler is built."""
+    budget, host = _budget_for(1024)
+    cfg = _config(batched=4096, chunked=True, defaulted=True)
+    lay = plan_layout(cfg, _specs(), budget, host)
+    assert lay.device_slots == 1024 and lay.batch_tokens_lowered == (4096, 1024 - 64)
+    assert "lowered from its default 4096 to 960" in lay.summary(1024)
+    apply_batch_tokens(cfg, lay)
+    assert cfg.scheduler_config.max_num_batched_tokens == 960
+    assert cfg.scheduler_config.max_num_scheduled_tokens == 960
+    # Enough room: nothing lowered, nothing said.
+    roomy = _config(batched=512, chunked=True, defaulted=True)
+    lay = plan_layout(roomy, _specs(), budget, host)
+    assert lay.batch_tokens_lowered is None and "lowered" not in lay.summary(1024)
+    apply_batch_tokens(roomy, lay)
+    assert roomy.scheduler_config.max_num_batched_tokens == 512
+
+
+def test_explicit_batch_size_or_no_chunked_prefill_is_never_lowered():
+    budget, host = _budget_for(1024)
+    for cfg in (_config(batched=4096, chunked=True, defaulted=False),
+                _config(batched=4096, chunked=False, defaulted=True)):
+        with pytest.raises(KVBackendError, match="one step needs up to 4160"):
+            plan_layout(cfg, _specs(), budget, host)
+
+
+def test_lowering_keeps_room_for_a_decode_step_of_every_sequence():
+    budget, host = _budget_for(128)  # 128 - 64 = 64 tokens a step < max_num_seqs 100
+    with pytest.raises(KVBackendError, match="device pool too small"):
+        plan_layout(_config(batched=4096, chunked=True, defaulted=True, max_seqs=100),
+                    _specs(), budget, host)
+    lay = plan_layout(_config(batched=4096, chunked=True, defaulted=True, max_seqs=64),
+                      _specs(), budget, host)
+    assert lay.batch_tokens_lowered == (4096, 64)

@@ -20,6 +20,10 @@ def test_pblru_quick_and_trace_runs_write_their_own_files(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pblru_vs_lru_quick.json",
                                                            "pblru_vs_lru_quick.png"]
+    import json
+
+    host = json.loads((tmp_path / "pblru_vs_lru_quick.json").read_text())["host"]
+    assert host["mla_path"] in ("amx", "reference") and isinstance(host["amx_tile"], bool)
     from ulacache_vllm.core.trace import generate_dsa_trace, save_trace
 
     trace = tmp_path / "t.npz"

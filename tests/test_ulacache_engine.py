@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import run_vllm_script
+from _vllm_subprocess import host_mla_path, mla_path_kwargs, run_vllm_script
 
 # Tight ulacache budget: ~2.7k device slots + ~1.3k host slots per layer (fp32 tiny model),
 # well below the ~5k tokens the workload below needs at once -> spills, fetches, preemptions.
@@ -60,8 +60,8 @@ emit(res)
 """
 
 
-def _run(model, backend, trace_path=None, env=None, lru=None):
-    kw = {"kv_backend": backend}
+def _run(model, backend, path, trace_path=None, env=None, lru=None):
+    kw = {"kv_backend": backend, **mla_path_kwargs(path)}
     if backend == "ulacache":
         kw.update(kv_cache_memory_bytes=ULA_KV_BYTES, ula_host_pool_gib=ULA_HOST_GIB,
                   ula_trace_path=str(trace_path))
@@ -73,17 +73,25 @@ def _run(model, backend, trace_path=None, env=None, lru=None):
                            timeout=900, env=env)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v32", "glm_dsa"])
+# DeepSeek runs both of vLLM's CPU MLA paths pinned (the same schedules on every host: the AMX
+# path's chunked prefill, prefix caching in stock and a default batch ulacache must lower; the
+# reference path's whole-prompt steps); GLM runs whichever path this host takes by default.
+PATHS = [("deepseek_v32", "amx"), ("deepseek_v32", "reference"), ("glm_dsa", "host")]
+
+
+@pytest.fixture(scope="module", params=PATHS, ids=[f"{m}-{p}" for m, p in PATHS])
 def runs(request, tiny_model, tmp_path_factory):
-    model = tiny_model(request.param)
+    name, path = request.param
+    model = tiny_model(name)
     trace = tmp_path_factory.mktemp("trace") / "selections.jsonl"
     # DeepSeek runs the default PB-LRU's round labels, GLM the queue PB-LRU, both at every pool
     # size (the ~2.7k-slot pools here are below the small-pool threshold, whose timestamp scan
     # test_model_shapes runs): every victim search meets the real engine.
     env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"}
-    ula = _run(model, "ulacache", trace, env, "pblru_queue" if request.param == "glm_dsa" else None)
+    ula = _run(model, "ulacache", path, trace, env, "pblru_queue" if name == "glm_dsa" else None)
     ula["trace_path"] = str(trace)
-    return request.param, _run(model, "vllm"), ula
+    ula["path"] = host_mla_path() if path == "host" else path
+    return name, _run(model, "vllm", path), ula
 
 
 def test_prompts_exceed_index_topk(runs):
@@ -104,6 +112,17 @@ def test_token_exact_parity_under_pressure(runs):
     assert set(ula["usage_end"]["victim_paths"]) == {want}, ula["usage_end"]
     # It started in identity placement and left it when the device pool overflowed.
     assert m["vllm:ulacache_fast_path_exits"] >= 1, m
+    if ula["path"] == "amx":
+        # The AMX path's default step (LLM class: max_num_batched_tokens 4096, chunked
+        # prefill) does not fit this device pool; ulacache started by lowering the defaulted
+        # batch to what the pool holds.
+        u = ula["usage_end"]
+        assert u["device_capacity"] // len(u["victim_paths"]) < 4096 + 16, u  # index_topk 16
+        assert u["batch_tokens_lowered"][0] == 4096, u
+        assert u["batch_tokens_lowered"][1] + 16 <= u["device_capacity"] // 2, u
+    else:
+        assert ula["usage_end"]["batch_tokens_lowered"] is None, ula["usage_end"]
+    assert ula["usage_end"]["block_size"] == {"amx": 128, "reference": 16}[ula["path"]]
 
 
 def test_abort_frees_everything_and_survivors_match(runs):

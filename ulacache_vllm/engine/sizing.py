@@ -39,9 +39,17 @@ class UlaLayout:
     mla_head_size: int
     mla_dtype: str
     indexer_bytes_per_token: int
+    # (vLLM's default, the value that fits) when ulacache lowered a defaulted
+    # max_num_batched_tokens to what the device pool holds in one step; else None.
+    batch_tokens_lowered: tuple[int, int] | None = None
 
     def summary(self, max_model_len: int) -> str:
         per_req = max(1, max_model_len)
+        lowered = ""
+        if self.batch_tokens_lowered:
+            old, new = self.batch_tokens_lowered
+            lowered = (f"; max_num_batched_tokens lowered from its default {old} to {new} "
+                       f"so that one step fits the device pool (set it explicitly to choose)")
         return (
             f"ulacache KV: {self.device_slots} device slots + {self.host_slots} host slots "
             f"per MLA layer = {self.num_logical} logical tokens "
@@ -49,7 +57,7 @@ class UlaLayout:
             f"{sum(self.mla_row_bytes.values())} B/token MLA, "
             f"{self.indexer_bytes_per_token} B/token indexer keys); "
             f"max concurrent requests of max_model_len={max_model_len}: "
-            f"{self.num_logical // per_req}"
+            f"{self.num_logical // per_req}{lowered}"
         )
 
 
@@ -135,6 +143,16 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
     topk = getattr(vllm_config.model_config.hf_text_config, "index_topk", 0) or 0
     need_device = sched.max_num_batched_tokens + topk
     check_host_capacity(settings.host_pool_gib, host_slots, M, len(mla), max_model_len, bs)
+    lowered = None
+    if (device_slots < need_device and sched.enable_chunked_prefill
+            and batch_tokens_defaulted(vllm_config)):
+        # With chunked prefill a step holds at most max_num_batched_tokens new tokens, so a
+        # default that does not fit the device pool is lowered (never below max_num_seqs: a
+        # decode step of every running request must fit) instead of refusing to start.
+        fit = device_slots - topk
+        if fit >= max(1, getattr(sched, "max_num_seqs", 1)):
+            lowered = (sched.max_num_batched_tokens, fit)
+            need_device = fit + topk
     if device_slots < need_device:
         # Device slots come in whole blocks: the suggested budget must give a block count
         # that covers the need, not just the need in bytes.
@@ -170,7 +188,30 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
         mla_head_size=first.head_size,
         mla_dtype=_dtype_name(first.dtype),
         indexer_bytes_per_token=I,
+        batch_tokens_lowered=lowered,
     )
+
+
+# `additional_config` key listing the scheduler settings the user left to vLLM's defaults
+# (written by `wiring.prepare_engine_args` in the front end, read here in the engine core).
+DEFAULTED_KEY = "ulacache_defaulted"
+
+
+def batch_tokens_defaulted(vllm_config) -> bool:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return "max_num_batched_tokens" in (extra.get(DEFAULTED_KEY) or ())
+
+
+def apply_batch_tokens(vllm_config, layout: UlaLayout) -> None:
+    """Engine core, before the scheduler is built: lower the step's token budget to what the
+    layout fits (the worker's buffers, sized for the larger default, stay valid)."""
+    if not layout.batch_tokens_lowered:
+        return
+    _, new = layout.batch_tokens_lowered
+    sc = vllm_config.scheduler_config
+    sc.max_num_batched_tokens = new
+    if sc.max_num_scheduled_tokens is not None:
+        sc.max_num_scheduled_tokens = min(sc.max_num_scheduled_tokens, new)
 
 
 def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict], available_memory: list[int],
@@ -183,6 +224,11 @@ def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict], availabl
         report_engine_error(e)
         raise
     layout = min(layouts, key=lambda l: l.num_blocks)
+    # The step budget every worker can hold: the smallest lowered value, if any was lowered.
+    lowered = [l.batch_tokens_lowered for l in layouts if l.batch_tokens_lowered]
+    if lowered:
+        layout = dataclasses.replace(layout, batch_tokens_lowered=min(lowered, key=lambda x: x[1]))
+    apply_batch_tokens(vllm_config, layout)
     new_specs = []
     for specs in kv_cache_specs:
         mla, idx, _ = split_specs(specs)

@@ -37,13 +37,21 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
         )
     engine_args.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_connector_module_path=MODULE_PATH)
-    if engine_args.enable_prefix_caching:
-        logger.warning("ulacache: prefix caching is not supported yet; disabling it")
-    # The scheduler side keeps cached blocks' rows (kv_cache_manager.py), but prefill over a
-    # cached prefix (query shorter than its context) through the CPU sparse-MLA backend and
-    # indexer is untested; vLLM's CPU build forces prefix caching off for MLA anyway, except
-    # on AMX CPUs.
+    # Prefix caching stays off under ulacache: a cached block's rows may sit in the host tier,
+    # and a hit must promote them before the prefill that reads them; that path (scheduler-side
+    # hit + worker-side promotion of a cached prefix) is not built yet. vLLM's CPU build keeps
+    # prefix caching on by default for MLA on AMX hosts, so say so whatever the source.
+    if engine_args.enable_prefix_caching is not False:
+        logger.info("ulacache: prefix caching is turned off (cached prefixes whose rows sit in "
+                    "the host tier are not promoted on a hit yet)")
     engine_args.enable_prefix_caching = False
+    if engine_args.max_num_batched_tokens is None:
+        from .sizing import DEFAULTED_KEY
+
+        # Left to vLLM's default: the engine core may lower it to what the device pool holds
+        # (sizing.plan_layout) instead of refusing to start.
+        engine_args.additional_config = {**(engine_args.additional_config or {}),
+                                         DEFAULTED_KEY: ["max_num_batched_tokens"]}
     if not engine_args.worker_extension_cls:
         engine_args.worker_extension_cls = WORKER_EXTENSION
 

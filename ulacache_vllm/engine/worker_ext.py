@@ -26,4 +26,9 @@ class UlaWorkerExtension:
         out["step"] = store.step
         out["identity_mode"] = store.identity
         out["time_s"] = dict(store.time_s)
+        lay = store.layout
+        # The step budget the engine core's scheduler runs with (vLLM's default lowered to
+        # the device pool, or None when the configured value was kept).
+        out["batch_tokens_lowered"] = list(lay.batch_tokens_lowered) if lay.batch_tokens_lowered else None
+        out["block_size"] = lay.block_size
         return out
