@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 
-from ulacache_vllm.core.mapping import POLICIES
 from ulacache_vllm.engine import config as ula_config
 
 from ._hook import replace
@@ -16,22 +15,9 @@ from ._hook import replace
 HOOK = "cli_args"
 MODULE = "vllm.engine.arg_utils"
 
-# setting -> (flag, type, choices, help)
-_SETTING_FLAGS = {
-    "host_pool_gib": ("--ula-host-pool-gib", float, None,
-                      "ulacache: host-memory pool for sparse-MLA KV rows, in GiB (exclusive "
-                      "tier beside the device pool; default 4)."),
-    "lru": ("--ula-lru", str.lower, list(POLICIES),
-            "ulacache: device-pool victim policy: pblru (default), pblru_bitmap, exact_ts, "
-            "exact_list."),
-    "trace_path": ("--ula-trace-path", str, None,
-                   "ulacache: write each step's selected logical KV addresses to this file "
-                   "(replayable by benchmarks/pblru_vs_lru.py; overwritten at startup; with "
-                   "data parallelism rank r > 0 writes FILE.dpR.EXT)."),
-    "fast_path": ("--ula-fast-path", str.lower, list(ula_config.BOOL_WORDS),
-                  "ulacache: identity placement (no translation, no copies) until the device "
-                  "pool first overflows (default true)."),
-}
+# CLI type of each setting kind (the values are coerced again, with named errors, by
+# UlaSettings.from_dict).
+_KIND_TYPE = {"gib": float, "bool": str.lower, "choice": str.lower, "path": str}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,14 +35,17 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         "(unified logical KV address space over device and host memory with PB-LRU "
         "eviction, for DSA sparse-attention models such as DeepSeek-V3.2 and GLM-5).",
     )
-    for key, (flag, typ, choices, text) in _SETTING_FLAGS.items():
-        group.add_argument(flag, dest=f"ula_{key}", type=typ, default=None, choices=choices,
-                           help=text)
+    for name, kind, text, metavar, choices in ula_config.setting_fields():
+        if kind == "bool":
+            choices = ula_config.BOOL_WORDS
+        group.add_argument(ula_config.flag_of(name), dest=f"ula_{name}", type=_KIND_TYPE[kind],
+                           default=None, choices=list(choices) if choices else None,
+                           metavar=metavar or None, help="ulacache: " + text.replace("%", "%%"))
 
 
 def settings_from_namespace(args: argparse.Namespace) -> dict:
-    return {k: getattr(args, f"ula_{k}") for k in _SETTING_FLAGS
-            if getattr(args, f"ula_{k}", None) is not None}
+    return {name: getattr(args, f"ula_{name}") for name, *_ in ula_config.setting_fields()
+            if getattr(args, f"ula_{name}", None) is not None}
 
 
 def apply() -> None:

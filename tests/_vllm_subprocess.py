@@ -53,6 +53,9 @@ def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    # Test-process flags that must not reach an engine (the kernel tests run Triton's
+    # interpreter; engines never do).
+    env.pop("TRITON_INTERPRET", None)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -62,8 +65,13 @@ def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+# Set by conftest for each test: whether it carries the ``engine`` marker. A script that boots
+# an engine from an unmarked test is refused, so ``pytest -m "not engine"`` never boots one.
+ENGINE_MARKED: bool | None = None
+
+
 def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: float = 600,
-                    env: dict[str, str] | None = None) -> Any:
+                    env: dict[str, str] | None = None, boots_engine: bool = True) -> Any:
     """Run ``code`` (a script body; it may define functions) under ``__main__`` in a new
     interpreter and return what it passed to ``emit``. ``args`` reach it as ``ARGS``.
 
@@ -71,6 +79,8 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
     run as the main module: vLLM's spawned workers re-import the main module, and the
     guard keeps them from running the body again.
     """
+    if boots_engine and ENGINE_MARKED is False:
+        raise AssertionError("this test boots a vLLM engine: mark it @pytest.mark.engine")
     body = textwrap.dedent(code)
     script = _PRELUDE + "\n\ndef _main():\n" + textwrap.indent(body, "    ") + \
         "\n\nif __name__ == '__main__':\n    _main()\n"

@@ -69,6 +69,14 @@ class TinyModels:
         return self("deepseek_v3", weights_from=dsa_model)
 
 
+def pytest_runtest_setup(item):
+    """Before any fixture of ``item`` (module-scoped ones included) runs: tell the engine
+    helper whether this test may boot vLLM."""
+    import _vllm_subprocess
+
+    _vllm_subprocess.ENGINE_MARKED = item.get_closest_marker("engine") is not None
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> TinyModels:
     MODELS_CACHE.mkdir(parents=True, exist_ok=True)

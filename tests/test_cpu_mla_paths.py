@@ -46,7 +46,7 @@ def resolved(tiny_model):
         ("ula_amx", dsa, {**mla_path_kwargs("amx"), "kv_backend": "ulacache"}),
         ("ula_reference", dsa, {**mla_path_kwargs("reference"), "kv_backend": "ulacache"}),
     ]
-    return run_vllm_script(RESOLVE, args={"cases": cases}, timeout=300)
+    return run_vllm_script(RESOLVE, args={"cases": cases}, timeout=300, boots_engine=False)
 
 
 def test_a_dsa_model_follows_its_hosts_path_by_default(resolved):

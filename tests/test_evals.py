@@ -6,6 +6,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.engine  # every test here boots vLLM (twice, through lm-eval)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 
 

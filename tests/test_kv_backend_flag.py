@@ -162,6 +162,7 @@ emit(res)
 """
 
 
+@pytest.mark.engine
 def test_clear_errors_from_llm(tiny_model):
     from _vllm_subprocess import run_vllm_script
 
@@ -223,3 +224,42 @@ def test_mtp_draft_layers_count_for_the_host_pool():
     assert _draft_kv_layers(cfg) == 0
     cfg.speculative_config = None
     assert _draft_kv_layers(cfg) == 0
+
+
+def test_engine_args_take_the_backend_and_settings_as_keywords():
+    """vLLM's convention: every LLM keyword is an EngineArgs field; a programmatic engine
+    (AsyncLLM.from_engine_args) chooses the backend the same way, validated the same way."""
+    import ulacache_vllm.patches.apply as patches
+    from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+
+    patches.apply_all()
+    for cls in (EngineArgs, AsyncEngineArgs):
+        ea = cls(model="m", kv_backend="ulacache", ula_host_pool_gib="8", ula_lru="EXACT_TS")
+        assert ea.kv_backend == "ulacache" and ea.ula_host_pool_gib == 8.0
+        assert ea.ula_lru == "exact_ts" and ea.ula_fast_path is True
+        assert ula_config.settings_from_additional_config(ea.additional_config).host_pool_gib == 8.0
+        assert cls(model="m").kv_backend == "vllm"
+        with pytest.raises(ula_config.KVBackendError, match="valid choices: vllm, ulacache"):
+            cls(model="m", kv_backend="nope")
+        with pytest.raises(ula_config.KVBackendError, match="unknown ulacache setting"):
+            cls(model="m", kv_backend="ulacache", ula_hostpool=1)
+        with pytest.raises(ula_config.KVBackendError, match="true or false"):
+            cls(model="m", kv_backend="ulacache", ula_fast_path="maybe")
+
+
+def test_one_settings_table_drives_flags_help_and_readme(parser):
+    """Every UlaSettings field has a flag with its help text and choices, and the README's
+    table is the generated one."""
+    from pathlib import Path
+
+    by_flag = {s: a for a in parser._actions for s in a.option_strings}
+    for name, kind, text, _, choices in ula_config.setting_fields():
+        action = by_flag[ula_config.flag_of(name)]
+        assert action.dest == f"ula_{name}" and text.split(".")[0] in action.help
+        if kind == "choice":
+            assert set(action.choices) == set(choices)
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    table = readme.split("<!-- end settings table -->")[0].split("-->\n", 1)[-1].strip()
+    table = table[table.index("| flag"):]
+    assert table == ula_config.settings_markdown(), \
+        "README settings table is stale: paste `python -m ulacache_vllm.engine.config`"

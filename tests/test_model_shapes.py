@@ -8,6 +8,8 @@ import pytest
 
 from _vllm_subprocess import run_vllm_script
 
+pytestmark = pytest.mark.engine  # every test here boots vLLM
+
 SHAPE = dict(num_hidden_layers=3, index_topk=32, num_attention_heads=8, num_key_value_heads=8,
              first_k_dense_replace=0)
 # ~2.2k device + ~1.9k host slots per layer: the device pool just holds one 2048-token step,

@@ -186,6 +186,7 @@ def _check_generation(res, vocab_size=1024):
     assert res["prompt_lens"][0] > 150
 
 
+@pytest.mark.engine
 @pytest.mark.parametrize("name", NON_DSA)
 def test_vllm_generates(name, tiny_model):
     res = vllm_generate(tiny_model(name), PROMPTS, max_tokens=MAX_TOKENS,
@@ -193,6 +194,7 @@ def test_vllm_generates(name, tiny_model):
     _check_generation(res)
 
 
+@pytest.mark.engine
 @needs_dsa_plugin
 @pytest.mark.parametrize("name", DSA)
 def test_vllm_generates_dsa(name, tiny_model):
@@ -209,6 +211,7 @@ emit([[next(iter(d.values())).logprob for d in o.prompt_logprobs[1:]] for o in o
 """
 
 
+@pytest.mark.engine
 @needs_dsa_plugin
 def test_dsa_with_full_topk_matches_dense_twin(tiny_model):
     """With index_topk >= context every token is selected: DSA must equal dense MLA."""

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
+pytestmark = pytest.mark.engine  # every test here boots vLLM
+
 REPO = Path(__file__).resolve().parents[1]
 
 

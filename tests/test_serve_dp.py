@@ -14,6 +14,8 @@ import requests
 
 from test_serve import concurrent_greedy, serve
 
+pytestmark = pytest.mark.engine  # every test here boots vLLM
+
 
 def _per_engine(text: str, name: str) -> dict[str, float]:
     out: dict[str, float] = {}

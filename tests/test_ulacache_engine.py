@@ -7,6 +7,8 @@ import pytest
 
 from _vllm_subprocess import host_mla_path, mla_path_kwargs, run_vllm_script
 
+pytestmark = pytest.mark.engine  # every test here boots vLLM
+
 # Tight ulacache budget: ~2.7k device slots + ~1.3k host slots per layer (fp32 tiny model),
 # well below the ~5k tokens the workload below needs at once -> spills, fetches, preemptions.
 ULA_KV_BYTES = 13_500_000

@@ -5,7 +5,7 @@ field for it): `{"kv_backend": "ulacache", "ulacache": {...settings...}}`.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 KV_BACKENDS = ("vllm", "ulacache")
@@ -58,14 +58,45 @@ def take_engine_error() -> str | None:
     return msg or None
 
 
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+BOOL_WORDS = _TRUE + _FALSE  # what a boolean setting accepts as a string
+
+
+def _lru_choices() -> tuple[str, ...]:
+    from ulacache_vllm.core.mapping import POLICIES
+
+    return tuple(POLICIES)
+
+
+def _setting(default: Any, kind: str, help: str, metavar: str = "", choices=None):
+    """A UlaSettings field. ``kind`` (gib | bool | choice | path) decides coercion and the CLI
+    flag's type; ``help`` is the flag's help and the README's text; ``choices`` is a callable
+    (the policies live in the core, imported only when asked)."""
+    return field(default=default, metadata=dict(kind=kind, help=help, metavar=metavar,
+                                                choices=choices))
+
+
 @dataclass
 class UlaSettings:
-    """ulacache knobs, given as `--ula-*` flags or `LLM(ula_*=...)` keyword arguments."""
+    """ulacache settings: the one table behind `--ula-*` flags (and their `--help`),
+    `LLM(ula_*=...)` / `EngineArgs(ula_*=...)` keywords, coercion and the README's table."""
 
-    host_pool_gib: float = 4.0  # host-tier capacity for sparse-MLA KV rows
-    lru: str = "pblru"  # victim policy: pblru | pblru_queue | pblru_bitmap | exact_ts | exact_list
-    trace_path: str | None = None  # opt-in: write per-step selected logical addresses here
-    fast_path: bool = True  # identity placement (no translation) until the device pool overflows
+    host_pool_gib: float = _setting(
+        4.0, "gib", "host-memory pool for sparse-MLA rows, in GiB (default 4). Must hold one "
+        "request of `max_model_len`; startup fails with the numbers otherwise.", metavar="G")
+    lru: str = _setting(
+        "pblru", "choice", "device-pool victim policy: `pblru` (default, round-label PB-LRU), "
+        "`pblru_queue` (the PB-LRU on a queue of touches, exact LRU order), `pblru_bitmap` "
+        "(the published bucket-bitmap PB-LRU), `exact_ts` / `exact_list` (exact LRUs, for "
+        "comparison).", choices=_lru_choices)
+    trace_path: str | None = _setting(
+        None, "path", "record each step's appended / selected / freed logical addresses "
+        "(JSONL) for `benchmarks/pblru_vs_lru.py --trace FILE`. The file is overwritten at "
+        "startup; data-parallel rank R > 0 writes `FILE.dpR.EXT`. Its directory must exist "
+        "(checked before the model loads).", metavar="FILE")
+    fast_path: bool = _setting(
+        True, "bool", "identity placement (no translation, no copies) until the device pool "
+        "first overflows (default true).")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "UlaSettings":
@@ -82,16 +113,47 @@ class UlaSettings:
         return asdict(self)
 
 
-_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
-BOOL_WORDS = _TRUE + _FALSE  # what a boolean setting accepts as a string
+def setting_fields():
+    """(name, kind, help, metavar, choices tuple or None) of every setting, in table order."""
+    for f in fields(UlaSettings):
+        md = f.metadata
+        choices = md["choices"]() if md["choices"] else (("true", "false") if md["kind"] == "bool" else None)
+        yield f.name, md["kind"], md["help"], md["metavar"], choices
+
+
+def flag_of(name: str) -> str:
+    return "--ula-" + name.replace("_", "-")
+
+
+BACKEND_HELP = ("`vllm`: stock block manager (default). `ulacache`: logical address space over "
+                "device + host for DSA models.")
+# Environment knobs beside the settings (read where they act; listed in the same table).
+ENV_KNOBS = {
+    "ULACACHE_PBLRU_SMALL_POOL_SLOTS": "PB-LRU pools up to this many slots (default 4096 for "
+    "`pblru`, 16384 for `pblru_queue`) pick victims by one timestamp top-k (exact LRU; cheaper "
+    "for small pools).",
+}
+
+
+def settings_markdown() -> str:
+    """The README's settings table, generated from UlaSettings (`python -m
+    ulacache_vllm.engine.config` prints it)."""
+    rows = ["| flag (`LLM` / `EngineArgs` keyword) | meaning |", "|---|---|",
+            f"| `--kv-backend {{{','.join(KV_BACKENDS)}}}` (`kv_backend`) | {BACKEND_HELP} |"]
+    for name, kind, text, metavar, choices in setting_fields():
+        arg = "{" + ",".join(choices) + "}" if choices else metavar
+        rows.append(f"| `{flag_of(name)} {arg}` (`ula_{name}`) | {text} |")
+    rows += [f"| env `{k}` | {v} |" for k, v in ENV_KNOBS.items()]
+    return "\n".join(rows)
 
 
 def _coerce(name: str, value: Any) -> Any:
-    """A setting's value in its field's type: numbers and booleans may come as strings (JSON
-    in --additional-config, `LLM(ula_host_pool_gib="8")`); anything else is a KVBackendError
-    naming the setting."""
-    flag = f"ula_{name} (--ula-{name.replace('_', '-')})"
-    if name == "host_pool_gib":
+    """A setting's value in its field's type, by the field's kind: numbers and booleans may
+    come as strings (JSON in --additional-config, `LLM(ula_host_pool_gib="8")`); anything
+    else is a KVBackendError naming the setting."""
+    flag = f"ula_{name} ({flag_of(name)})"
+    kind = UlaSettings.__dataclass_fields__[name].metadata["kind"]
+    if kind == "gib":
         try:
             if isinstance(value, bool):
                 raise ValueError
@@ -101,7 +163,7 @@ def _coerce(name: str, value: Any) -> Any:
         if not out >= 0 or out == float("inf"):
             raise KVBackendError(f"{flag} must be a finite number of GiB >= 0, got {value!r}")
         return out
-    if name == "fast_path":
+    if kind == "bool":
         if isinstance(value, bool):
             return value
         if isinstance(value, int) and value in (0, 1):
@@ -109,17 +171,17 @@ def _coerce(name: str, value: Any) -> Any:
         if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
             return value.strip().lower() in _TRUE
         raise KVBackendError(f"{flag} must be true or false, got {value!r}")
-    if name == "lru":
+    if kind == "choice":
         if not isinstance(value, str):
             raise KVBackendError(f"{flag} must be a policy name, got {value!r}")
-        return value.strip().lower()
-    if name == "trace_path":
+        return value.strip().lower()  # the choice itself is checked where it is used
+    if kind == "path":
         if value is not None and not isinstance(value, (str, bytes)) and not hasattr(value, "__fspath__"):
             raise KVBackendError(f"{flag} must be a file path, got {value!r}")
         import os
 
         return None if value is None else os.fsdecode(value)
-    return value
+    raise AssertionError(f"setting {name} has unknown kind {kind!r}")
 
 
 def trace_file_for(path: str, dp_rank: int, dp_size: int) -> str:
@@ -197,3 +259,7 @@ def check_model_supported(model_config: Any) -> None:
         f"({', '.join(DSA_ARCHITECTURES)}, or any model whose config has `index_topk`). "
         f"Use --kv-backend vllm for this model."
     )
+
+
+if __name__ == "__main__":
+    print(settings_markdown())
