@@ -26,7 +26,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 
 from ulacache_vllm.arena import Arena, Band, KindSpec, RowSpec  # noqa: E402
 
-from _host import cpu_host  # noqa: E402  (beside this script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # _host, beside this script
+from _host import cpu_host  # noqa: E402
 
 GiB = 1 << 30
 BLOCK = 16  # tokens per attention page (vLLM's default block size on GPU backends)

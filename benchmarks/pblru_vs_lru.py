@@ -25,7 +25,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -34,7 +33,11 @@ import torch
 
 from ulacache_vllm.core import TieredMapping
 
-from _host import cpu_host  # beside this script
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parent))  # _host, beside this script
+from _host import cpu_host  # noqa: E402
 from ulacache_vllm.core.mapping import POLICIES as MAPPING_POLICIES
 from ulacache_vllm.core.trace import generate_dsa_trace, load_trace, replay
 
@@ -48,8 +51,11 @@ def replay_once(trace, pool, lru, ring, cold):
     maps = {g: TieredMapping(trace.num_logical, pool, trace.num_logical, lru=lru,
                              ring_size=ring, profile=True) for g in groups}
     if lru == "pblru" and cold is not None:
+        from ulacache_vllm.core.pblru import PBLRU
+
         for m in maps.values():
-            m.policy.inner.__init__(pool, m.device, ring_size=ring, cold_buckets=cold)
+            if isinstance(m.policy.inner, PBLRU):  # (not the small-pool scan)
+                m.policy.inner.__init__(pool, m.device, ring_size=ring, cold_buckets=cold)
     per_step, selecting, last = {}, set(), [0.0]
 
     def on_step(st, _t):  # one call per (step, layer group): a step sums its groups

@@ -23,7 +23,11 @@ import torch
 
 from ulacache_vllm.core import RemoteRowBuffer
 
-from _host import cpu_host  # beside this script
+import sys as _sys  # noqa: E402
+from pathlib import Path as _Path  # noqa: E402
+
+_sys.path.insert(0, str(_Path(__file__).resolve().parent))  # _host, beside this script
+from _host import cpu_host  # noqa: E402
 from ulacache_vllm.core.trace import generate_dsa_trace, load_trace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

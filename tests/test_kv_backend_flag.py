@@ -1,7 +1,6 @@
 """--kv-backend flag, LLM(kv_backend=...) keyword, and the clear errors for bad input."""
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 
@@ -55,34 +54,35 @@ def test_trace_file_per_data_parallel_rank():
 
 
 def test_trace_records_a_group_once_per_step_before_resolving():
-    """Every layer of a layer group writes and reads the same addresses: only the group's
-    first layer records them, and a read is recorded before it resolves (a round that
-    overflows the device pool into chunks is traced too)."""
-    import io
+    """Every layer of a layer group writes and reads the same addresses: the group's writes
+    are recorded once, when the step's write slots are fixed before the forward, and its
+    selections once per forward pass, by the group's first layer."""
     import json
-    import types
+    from types import SimpleNamespace
 
     import torch
 
-    from ulacache_vllm.core.pools import CapacityError
-    from ulacache_vllm.engine.worker_store import GroupTranslator, UlaWorkerStore
+    from ulacache_vllm.engine.sizing import UlaLayout
+    from ulacache_vllm.engine.worker_store import UlaWorkerStore
 
-    store = types.SimpleNamespace(_trace=io.StringIO(), step=1, identity=False)
-    store._record = UlaWorkerStore._record.__get__(store)
-    store.timed = lambda key: __import__("contextlib").nullcontext()
-    g = types.SimpleNamespace(gid=0, layers=["l0", "l1", "l2"], step_read=None)
-    t = GroupTranslator(store, g)
-    t._write = lambda sm: sm
-
-    def overflow(_):
-        raise CapacityError("round larger than the pool")
-    t._resolve = overflow
-    a = torch.tensor([3, 4, -1])
-    for layer in g.layers:
-        t.write_slots(layer, a)
-        with __import__("pytest").raises(CapacityError):  # no request ids: no chunking
-            list(t.read_chunks(layer, torch.tensor([[3, 4]]), None))
-    lines = [json.loads(x) for x in store._trace.getvalue().splitlines()]
+    layers = ["l0", "l1", "l2"]
+    layout = UlaLayout(block_size=16, device_slots=64, host_slots=64, num_logical=128,
+                       num_blocks=9, mla_layers=layers, leaders=["l0"],
+                       mla_row_bytes={n: 32 for n in layers}, mla_head_size=8,
+                       mla_dtype="float32", indexer_bytes_per_token=0)
+    mods = {n: SimpleNamespace(kv_cache=None, impl=SimpleNamespace()) for n in layers}
+    import tempfile, os
+    with tempfile.TemporaryDirectory() as td:
+        path = os.path.join(td, "t.jsonl")
+        store = UlaWorkerStore(layout, ula_config.UlaSettings(), mods, torch.device("cpu"), path)
+        a = torch.tensor([3, 4, -1])
+        store.begin_step([], {n: a for n in layers})
+        for n in layers:
+            t = mods[n].impl.translator
+            t.write_slots(n, a)
+            t.resolve(n, torch.tensor([[3, 4]]), None)
+        store._trace.flush()
+        lines = [json.loads(x) for x in open(path).read().splitlines()[1:]]
     assert [(x["step"], x["group"], x["kind"], x["addr"]) for x in lines] == [
         (1, 0, "append", [3, 4]), (1, 0, "select", [3, 4])]
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule

@@ -348,8 +348,7 @@ def test_queue_pblru_ring_same_with_triton_path(monkeypatch):
     from ulacache_vllm.core import QueuePBLRU
 
     S = 24
-    pols = _on_both_paths(monkeypatch, lambda: QueuePBLRU(S, "cpu", queue_capacity=2 * S + 5,
-                                                          small_pool_slots=0))
+    pols = _on_both_paths(monkeypatch, lambda: QueuePBLRU(S, "cpu", queue_capacity=2 * S + 5))
     g = torch.Generator().manual_seed(5)
     tracked = torch.zeros(S, dtype=torch.bool)
     for it in range(240):

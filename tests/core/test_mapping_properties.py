@@ -301,8 +301,11 @@ def test_queue_pblru_is_exact_lru(ops, S, cap_extra, small):
     from ulacache_vllm.core import ListLRU, QueuePBLRU, TimestampLRU
 
     # small=0: the queue at every size; 4096: these pools take the small-pool scan path.
-    pb = QueuePBLRU(S, "cpu", queue_capacity=2 * S + cap_extra, small_pool_slots=small)
-    assert (pb._small is None) == (small == 0)
+    from ulacache_vllm.core.policies import make_policy
+
+    pb = make_policy("pblru_queue", S, "cpu", small_pool_slots=small,
+                     queue_capacity=2 * S + cap_extra)
+    assert isinstance(pb, QueuePBLRU) == (small == 0)
     ex = ListLRU(S, "cpu")
     ts = TimestampLRU(S, "cpu")
     tracked: list[int] = []
@@ -423,7 +426,7 @@ def test_queue_pblru_ring_wraps_exact(seed, pass_budget):
 
     S = 48
     g = torch.Generator().manual_seed(seed)
-    pb, ex = QueuePBLRU(S, "cpu", queue_capacity=2 * S + 7, small_pool_slots=0), ListLRU(S, "cpu")
+    pb, ex = QueuePBLRU(S, "cpu", queue_capacity=2 * S + 7), ListLRU(S, "cpu")
     pb.pass_budget_min = pass_budget
     tracked = torch.zeros(S, dtype=torch.bool)
     crossed = partial = 0
@@ -469,33 +472,36 @@ def test_queue_pblru_ring_wraps_exact(seed, pass_budget):
 
 
 def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
+    from ulacache_vllm.core.policies import make_policy
+
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "100")
-    PB = pblru_mod.QueuePBLRU
-    assert PB(100, "cpu").victim_path == "scan" and PB(101, "cpu").victim_path == "queue"
-    LB = labels_mod.PBLRU
-    assert LB(100, "cpu").victim_path == "scan" and LB(101, "cpu").victim_path == "rounds"
-    assert LB(50, "cpu", small_pool_slots=0).victim_path == "rounds"
+    for name, own in (("pblru_queue", "queue"), ("pblru", "rounds")):
+        assert make_policy(name, 100, "cpu").victim_path == "scan"
+        assert make_policy(name, 101, "cpu").victim_path == own
+        assert make_policy(name, 50, "cpu", small_pool_slots=0).victim_path == own  # arg wins
     assert TieredMapping(64, 100, 8, lru="pblru_queue").policy.victim_path == "scan"
-    assert PB(50, "cpu", small_pool_slots=0).victim_path == "queue"  # the argument wins
+    assert not hasattr(make_policy("exact_ts", 10, "cpu"), "victim_path")  # baselines: as is
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "lots")
     with pytest.raises(ValueError, match="ULACACHE_PBLRU_SMALL_POOL_SLOTS must be an integer"):
-        PB(10, "cpu")
+        make_policy("pblru_queue", 10, "cpu")
 
 
-@pytest.mark.parametrize("PB,own", [(pblru_mod.QueuePBLRU, "queue"), (labels_mod.PBLRU, "rounds")])
-def test_small_pool_calls_go_to_the_scan_and_a_re_init_switches_paths(PB, own):
-    """Small pools call the timestamp scan's methods directly; re-running __init__ with other
-    sizes (as the benchmark does) must switch both ways without stale bindings."""
-    p = PB(64, "cpu", small_pool_slots=100)
-    assert p.select_victims == p._small.select_victims and p.victim_path == "scan"
+@pytest.mark.parametrize("name", ["pblru_queue", "pblru"])
+def test_a_small_pool_gets_the_scan_under_the_requested_name(name):
+    """The factory decides the small-pool case once: the scan is its own policy object (no
+    method rebinding), named after the requested policy, and picks exact-LRU victims."""
+    from ulacache_vllm.core.exact_lru import SmallPoolScan
+    from ulacache_vllm.core.policies import make_policy
+
+    p = make_policy(name, 64, "cpu", small_pool_slots=100)
+    assert isinstance(p, SmallPoolScan) and p.name == name and p.victim_path == "scan"
     p.touch(torch.arange(4))
     p.advance_round()
     assert p.select_victims(2).tolist() == [0, 1]
-    assert p.bucket_of().tolist()[:4] == [-1, -1, 0, 0]
-    p.__init__(64, "cpu", small_pool_slots=0)  # now the PB-LRU's own search
-    assert "select_victims" not in vars(p) and p.victim_path == own
-    p.touch(torch.arange(4))
-    p.advance_round()
-    assert p.select_victims(2).tolist() == [0, 1]
-    p.__init__(64, "cpu", small_pool_slots=100)  # and back
-    assert p.touch == p._small.touch
+    q = make_policy(name, 64, "cpu", small_pool_slots=0)
+    assert not isinstance(q, SmallPoolScan) and not vars(q).keys() & {"touch", "select_victims"}
+    q.touch(torch.arange(4))
+    q.advance_round()
+    assert q.select_victims(2).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="lru must be one of"):
+        make_policy("fifo", 8, "cpu")

@@ -57,7 +57,7 @@ def test_victims_follow_the_round_rule(ops, S, limit, max_harvests):
     ``hit_touch`` (with -1 and host values among them), releases, idle rounds (harvests that
     must jump over empty rounds), label rebases (small ``label_limit``) and selections taken
     in one pass after ``max_harvests`` harvests."""
-    pb = PBLRU(S, "cpu", small_pool_slots=0)  # (not the env's threshold)
+    pb = PBLRU(S, "cpu")  # (direct: never the small-pool scan)
     pb.max_harvests = max_harvests
     if limit is not None:
         pb.label_limit = limit
@@ -102,7 +102,7 @@ def test_victims_follow_the_round_rule(ops, S, limit, max_harvests):
 def test_harvest_jumps_over_idle_rounds_and_each_round_is_harvested_once():
     """A thousand idle rounds between two buckets cost one wasted scan and a minimum, not a
     scan per round; a selection spread over many calls harvests each round once."""
-    pb = PBLRU(1000, "cpu", small_pool_slots=0)
+    pb = PBLRU(1000, "cpu")
     pb.touch(torch.arange(500, 1000))
     for _ in range(1000):
         pb.advance_round()
@@ -114,7 +114,7 @@ def test_harvest_jumps_over_idle_rounds_and_each_round_is_harvested_once():
 
 
 def test_rebase_keeps_order_and_folds_ancient_rounds():
-    pb = PBLRU(8, "cpu", small_pool_slots=0)
+    pb = PBLRU(8, "cpu")
     pb.label_limit = 10
     for s in range(8):  # slot s touched in round 2 s
         pb.touch(torch.tensor([s]))
@@ -129,7 +129,7 @@ def test_rebase_keeps_order_and_folds_ancient_rounds():
 
 
 def test_capacity_error_changes_nothing():
-    pb = PBLRU(10, "cpu", small_pool_slots=0)
+    pb = PBLRU(10, "cpu")
     pb.touch(torch.tensor([3, 1, 2]))
     pb.advance_round()
     pb.touch(torch.tensor([7, 8]))
@@ -164,7 +164,7 @@ def test_hit_rate_matches_exact_lru_on_a_dsa_trace():
 
 
 def test_zero_slots_and_bad_arguments():
-    pb = PBLRU(0, "cpu", small_pool_slots=-1)
+    pb = PBLRU(0, "cpu")
     pb.advance_round()
     with pytest.raises(CapacityError):
         pb.select_victims(1)
@@ -180,7 +180,7 @@ def test_zero_slots_and_bad_arguments():
 def test_default_label_limit_rebases_without_losing_order():
     """70k rounds pass int16's end several times: labels stay in range, victims stay oldest
     first (rounds older than ~16k fold into the cold bucket, here also in age order)."""
-    pb = PBLRU(80, "cpu", small_pool_slots=0)
+    pb = PBLRU(80, "cpu")
     for r in range(70000):
         if r % 1000 == 0:
             pb.touch(torch.tensor([r // 1000]))
@@ -193,7 +193,7 @@ def test_a_selection_over_many_thin_rounds_takes_one_pass():
     """A thousand rounds of one slot each: one selection of all of them harvests
     ``max_harvests`` rounds, then takes the rest in one pass, in (round, slot) order, and the
     rest of the last round reached stays for the next selection."""
-    pb = PBLRU(3000, "cpu", small_pool_slots=0)
+    pb = PBLRU(3000, "cpu")
     order = torch.randperm(1000, generator=torch.Generator().manual_seed(1))
     for s in order.tolist():
         pb.touch(torch.tensor([s, 1000 + s]))  # two slots a round
@@ -207,11 +207,11 @@ def test_a_selection_over_many_thin_rounds_takes_one_pass():
 
 
 def test_bad_label_limit_and_int32_slots():
-    pb = PBLRU(50, "cpu", small_pool_slots=0)
+    pb = PBLRU(50, "cpu")
     pb.label_limit = 1
     with pytest.raises(ValueError, match="label_limit must be >= 2"):
         pb.advance_round()
-    pb = PBLRU(50, "cpu", small_pool_slots=0)
+    pb = PBLRU(50, "cpu")
     pb.touch(torch.tensor([1, 2, 3], dtype=torch.int32))
     pb.release(torch.tensor([2], dtype=torch.int32))
     pb.advance_round()

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from . import bands
-from .admission import AdmitResult, run_ladder
+from .admission import COMPACT, MAX_PASSES, RELAYOUT, REUSE, SHORTFALL, AdmitResult
 from .copy_plan import CopyPlan
 from .free_space import FreeSpace
 from .kinds import Band, KindSpec
@@ -300,7 +300,7 @@ class Arena:
         self._version += 1
 
     def _ladder(self, dem: dict[int, int]) -> AdmitResult:
-        placed, plan, step, shortfall = run_ladder(self, dem)
+        placed, plan, step, shortfall = self._run_ladder(dem)
         if placed is None:
             self.stats["shortfalls"] += 1
             return AdmitResult(False, {}, plan, shortfall, step)
@@ -309,6 +309,45 @@ class Arena:
         for k, n in dem.items():
             vids.setdefault(self.kinds[k].name, np.zeros(0, np.int64))
         return AdmitResult(True, vids, plan, 0, step)
+
+    def _run_ladder(self, demands: dict[int, int]) -> tuple[dict[int, np.ndarray] | None, CopyPlan, str, int]:
+        """Place ``demands`` (kind index -> pages). Returns (physical offsets per kind or None,
+        copy plan, step, shortfall bytes)."""
+        self.ledger.poll()
+        placed, unplaced = self._try_place(demands)
+        if placed is not None:
+            return placed, CopyPlan(), REUSE, 0
+        need = sum(n * self.page_bytes[k] for k, n in demands.items())
+        if need > self.free_bytes:  # nothing short of freeing can help: move nothing
+            return None, CopyPlan(), SHORTFALL, need - self.free_bytes
+        # A scheduler retries its head request every step: the same demand on an unchanged
+        # arena (no allocation, free, move or fence passed since) fails the same way.
+        key = (self._version, tuple(sorted(demands.items())))
+        if self._failed is not None and self._failed[0] == key:
+            return None, CopyPlan(), SHORTFALL, self._failed[1]
+        saved = self._snapshot()
+        plan = CopyPlan()
+        try:
+            for step, moves in ((COMPACT, (self.compact,)), (RELAYOUT, (self.relayout, self.compact))):
+                for _ in range(MAX_PASSES):
+                    moved = False
+                    for move in moves:
+                        more = move()
+                        if not more:
+                            continue  # nothing moved: the last placement attempt stands
+                        plan.extend(more)
+                        moved = True
+                        placed, unplaced = self._try_place(demands)
+                        if placed is not None:
+                            return placed, plan, step, 0
+                    if not moved:
+                        break
+        except BaseException:
+            self._restore(saved)  # tables as before the call: nothing half-moved
+            raise
+        self._restore(saved)
+        self._failed = (key, unplaced)
+        return None, CopyPlan(), SHORTFALL, unplaced
 
     def _by_index(self, res: AdmitResult) -> dict[int, np.ndarray]:
         return {self._kind_index[name]: v for name, v in res.virtual_page_ids.items()}

@@ -124,3 +124,15 @@ class ListLRU(EvictionPolicy):
 
     def advance_round(self) -> None:
         self.round += 1
+
+
+class SmallPoolScan(TimestampLRU):
+    """A PB-LRU's small-pool path (built by ``policies.make_policy``): the exact timestamp
+    scan, one top-k per selection, cheaper than a PB-LRU search for small pools. It keeps the
+    requested policy's name; ``victim_path`` says ``"scan"``."""
+
+    victim_path = "scan"
+
+    def __init__(self, num_slots: int, device: torch.device, name: str):
+        super().__init__(num_slots, device)
+        self.name = name

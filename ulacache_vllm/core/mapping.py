@@ -34,14 +34,11 @@ import torch
 from ulacache_vllm import kernels as K
 from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 
-from .exact_lru import ListLRU, TimestampLRU
 from .fence import Fence
-from .pblru import PBLRU
-from .pblru_bitmap import BitmapPBLRU
-from .pblru_queue import QueuePBLRU
 from .placement import Placement
 from .plan_queue import AllEvents as _AllEvents
 from .plan_queue import PlanQueue, UniqueAddresses, as_addresses
+from .policies import POLICIES, make_policy  # noqa: F401  (POLICIES: re-exported)
 from .policy import EvictionPolicy
 from .pools import CapacityError, SlotPool
 
@@ -110,24 +107,6 @@ class MovePlan:
 
     def apply(self, copy_fn: CopyFn) -> "MovePlan":
         return self._mapping.apply(self, copy_fn)
-
-
-# Victim policies by name, in the order the CLI and the benchmark list them.
-POLICIES = {
-    "pblru": lambda n, dev, ring: PBLRU(n, dev, ring_size=ring),
-    "pblru_queue": lambda n, dev, ring: QueuePBLRU(n, dev, ring_size=ring),
-    "pblru_bitmap": lambda n, dev, ring: BitmapPBLRU(n, dev, ring_size=ring),
-    "exact_ts": lambda n, dev, ring: TimestampLRU(n, dev),
-    "exact_list": lambda n, dev, ring: ListLRU(n, dev),
-}
-
-
-def make_policy(lru: str, num_slots: int, device, ring_size: int) -> EvictionPolicy:
-    try:
-        factory = POLICIES[lru]
-    except KeyError:
-        raise ValueError(f"lru must be one of {'|'.join(POLICIES)}, got {lru!r}") from None
-    return factory(num_slots, device, ring_size)
 
 
 class _TimedPolicy(EvictionPolicy):

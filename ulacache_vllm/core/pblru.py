@@ -35,7 +35,7 @@ few tenths of a point, mostly slightly higher.
 
 Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): a handful of
 ops per harvest costs more than one top-k over a few thousand slots, so such a pool runs the
-exact timestamp scan instead (``victim_path`` says which): the batch-1 fast path the published
+exact timestamp scan instead (``policies.make_policy`` builds it): the batch-1 fast path the published
 PB-LRU lacks.
 
 The stash is always the oldest bucket, and a harvest needs no search in the common case: every
@@ -59,7 +59,7 @@ import torch
 
 from ulacache_vllm import kernels as K
 
-from .policy import EvictionPolicy, use_small_pool_scan
+from .policy import EvictionPolicy
 from .pools import CapacityError
 
 # int16 labels: half the bytes of int32 for the label scatters, gathers and scans, which run
@@ -82,7 +82,7 @@ class PBLRU(EvictionPolicy):
     max_harvests = 3
 
     def __init__(self, num_slots: int, device: torch.device, ring_size: int = 8,
-                 cold_buckets: int = 8, small_pool_slots: int | None = None):
+                 cold_buckets: int = 8):
         if ring_size < 1:
             raise ValueError("ring_size must be >= 1")
         if cold_buckets < 0:
@@ -92,9 +92,6 @@ class PBLRU(EvictionPolicy):
         self.ring_size, self.cold_buckets = ring_size, cold_buckets
         self.device = torch.device(device)
         self.num_slots = S = num_slots
-        self._small = use_small_pool_scan(self, S, small_pool_slots, SMALL_POOL_SLOTS)
-        if self._small is not None:
-            S = 0  # the labels are never used
         # Label S is a dummy: misses of a hit_touch write it, and no scan reads it.
         self.labels = torch.full((S + 1,), UNTRACKED, dtype=IDX, device=self.device)
         self._pool = self.labels[:S]
@@ -108,10 +105,7 @@ class PBLRU(EvictionPolicy):
         self.rebases = 0
         self._k = K.impl(self.labels)  # Triton on CUDA, the reference on CPU
 
-    @property
-    def victim_path(self) -> str:
-        """How victims are found: ``"rounds"`` (label harvests) or the small-pool ``"scan"``."""
-        return "scan" if self._small is not None else "rounds"
+    victim_path = "rounds"  # (a small pool gets the scan instead: policies.make_policy)
 
     # ------------------------------------------------------------------ helpers
     def _round_src(self, n: int) -> torch.Tensor:
@@ -253,8 +247,6 @@ class PBLRU(EvictionPolicy):
 
         O(S), tests only; checks the label invariants on the way.
         """
-        if self._small is not None:
-            return self._small.bucket_of()
         lab = self._pool.to(torch.int64)
         held = lab != UNTRACKED
         vals = lab.masked_select(held)

@@ -71,7 +71,7 @@ accepted for interface compatibility; they do not change the victim order.
 
 Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): the queue's
 fixed handful of ops per selection costs more than one top-k over the whole pool, so such a
-pool runs the exact timestamp scan instead (same victims; ``victim_path`` says which). This
+pool runs the exact timestamp scan instead (same victims; ``policies.make_policy`` builds it). This
 is the batch-1 fast path the published PB-LRU lacks.
 """
 
@@ -81,7 +81,7 @@ import torch
 
 from ulacache_vllm import kernels as K
 
-from .policy import EvictionPolicy, use_small_pool_scan
+from .policy import EvictionPolicy
 from .pools import CapacityError
 
 # The queue, its positions and ``qpos`` are int32: ring indices are below ``cap`` (< 2^31), and
@@ -116,8 +116,7 @@ class QueuePBLRU(EvictionPolicy):
     name = "pblru_queue"
 
     def __init__(self, num_slots: int, device: torch.device, ring_size: int = 8,
-                 cold_buckets: int = 8, queue_capacity: int | None = None,
-                 small_pool_slots: int | None = None):
+                 cold_buckets: int = 8, queue_capacity: int | None = None):
         if ring_size < 1:
             raise ValueError("ring_size must be >= 1")
         if cold_buckets < 0:
@@ -134,10 +133,6 @@ class QueuePBLRU(EvictionPolicy):
             raise ValueError(f"queue_capacity must be < 2^31 (int32 ring indices), got {Q}"
                              + ("" if queue_capacity is not None else
                                 f": a queue PB-LRU holds at most 2^30 - 1 slots, got {S}"))
-        # The small-pool fast path: same victims (exact LRU), one top-k per selection.
-        self._small = use_small_pool_scan(self, S, small_pool_slots, SMALL_POOL_SLOTS)
-        if self._small is not None:
-            S = Q = 0  # the queue is never used
         # Slot S is a dummy that is never tracked: it pads the queue's end when a push wraps.
         self.qslot = torch.zeros(Q, dtype=IDX, device=self.device)
         self.qpos = torch.full((S + 1 if Q else 0,), UNTRACKED, dtype=IDX, device=self.device)
@@ -166,10 +161,7 @@ class QueuePBLRU(EvictionPolicy):
         self._stash = None
         self._k = K.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
 
-    @property
-    def victim_path(self) -> str:
-        """How victims are found: ``"queue"`` windows, or the small-pool ``"scan"``."""
-        return "scan" if self._small is not None else "queue"
+    victim_path = "queue"  # (a small pool gets the scan instead: policies.make_policy)
 
     # ------------------------------------------------------------------ queue upkeep
     def _lo(self) -> int:
@@ -350,8 +342,6 @@ class QueuePBLRU(EvictionPolicy):
 
         O(S), tests only; checks the queue invariants on the way.
         """
-        if self._small is not None:
-            return self._small.bucket_of()
         qp = self.qpos[:self.num_slots]
         tracked = qp != UNTRACKED
         pos = qp.masked_select(tracked)

@@ -12,10 +12,9 @@ import torch
 
 from ulacache_vllm.kernels.reference import split_hits
 
-__all__ = ["EvictionPolicy", "split_hits", "small_pool_threshold", "use_small_pool_scan"]
+__all__ = ["EvictionPolicy", "split_hits", "small_pool_threshold"]
 
 SMALL_POOL_ENV = "ULACACHE_PBLRU_SMALL_POOL_SLOTS"  # overrides a PB-LRU's default, read per policy
-POLICY_CALLS = ("hit_touch", "touch", "release", "select_victims", "advance_round")
 
 
 class EvictionPolicy:
@@ -59,21 +58,3 @@ def small_pool_threshold(default: int) -> int:
         return int(v)
     except ValueError:
         raise ValueError(f"{SMALL_POOL_ENV} must be an integer number of slots, got {v!r}") from None
-
-
-def use_small_pool_scan(policy, num_slots: int, small_pool_slots: int | None, default: int):
-    """A PB-LRU's small-pool fast path: pools up to the threshold get an exact timestamp scan
-    (one top-k per selection, cheaper there than a PB-LRU search), whose methods the policy
-    then exposes as its own (instance attributes shadow the class's: no forwarding call).
-    Returns the scan, or ``None`` for the PB-LRU's own path (a re-``__init__`` switches
-    cleanly both ways)."""
-    from .exact_lru import TimestampLRU
-
-    small = small_pool_threshold(default) if small_pool_slots is None else small_pool_slots
-    scan = TimestampLRU(num_slots, policy.device) if num_slots <= small else None
-    for name in POLICY_CALLS:
-        if scan is not None:
-            setattr(policy, name, getattr(scan, name))
-        else:
-            policy.__dict__.pop(name, None)
-    return scan

@@ -91,7 +91,11 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, UlaConnectorMetadata)
-        self.store.begin_step(meta.freed_blocks)
+        # The pre-forward half of the worker contract: frees, settle, round, this step's
+        # write slots (read from the forward context vLLM set up for this step).
+        slot_mappings = getattr(forward_context, "slot_mapping", None)
+        self.store.begin_step(meta.freed_blocks,
+                              slot_mappings if isinstance(slot_mappings, dict) else None)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None

