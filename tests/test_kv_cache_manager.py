@@ -80,10 +80,45 @@ def test_deferred_free_skips_shared_blocks(manager):
     manager.evict_blocks(set(ids_a[:2]))
     assert manager.take_freed_blocks() == []  # still referenced: not dead
     popped = manager.pop_blocks_for_free(a)  # deferred free (async scheduling)
-    # a's partial block dies; the shared blocks live on in b.
-    assert manager.take_freed_blocks() == [ids_a[2]]
-    manager.block_pool.free_blocks(reversed(popped))
+    # Nothing is dead while a step in flight may still write the blocks ...
     assert manager.take_freed_blocks() == []
+    # ... until vLLM returns them to the pool: a's partial block dies; the shared blocks live
+    # on in b.
+    manager.block_pool.free_blocks(reversed(popped))
+    assert manager.take_freed_blocks() == [ids_a[2]]
     manager.free(b)
     # Now nothing holds them and they are no longer cached: dead, with b's partial block.
     assert sorted(manager.take_freed_blocks()) == sorted(ids_b)
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_every_free_path_reports_and_orders_blocks_alike(deferred):
+    """vLLM's scheduler returns a deferred free straight to the block pool (several batches in
+    flight); it must pass through the manager like a normal free: the same blocks reported
+    dead, and blocks beyond the device range sent to the back of the free queue, so the
+    device-range blocks are handed out first again."""
+    from types import SimpleNamespace
+
+    init_none_hash(sha256)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    cfg = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    cfg.ulacache_layout = SimpleNamespace(device_slots=4 * BS, block_size=BS)  # blocks 0-3
+    mgr = UlaKVCacheManager(cfg, max_model_len=512, scheduler_block_size=BS,
+                            hash_block_size=BS, enable_caching=False)
+    req = _request("a", list(range(1, 8 * BS + 1)))  # 8 blocks: 1..8 (0 is the null block)
+    ids = _run(mgr, req)
+    assert sorted(ids) == list(range(1, 9))
+    if deferred:
+        popped = mgr.pop_blocks_for_free(req)
+        assert mgr.take_freed_blocks() == []
+        mgr.block_pool.free_blocks(reversed(popped))  # as Scheduler._drain_deferred_frees
+    else:
+        mgr.free(req)
+    assert sorted(mgr.take_freed_blocks()) == ids
+    head = []
+    blk = mgr.block_pool.free_block_queue.fake_free_list_head.next_free_block
+    while blk is not None and len(head) < 3:
+        head.append(blk.block_id)
+        blk = blk.next_free_block
+    assert set(head) == {1, 2, 3}, head  # device-range blocks first, whatever the path

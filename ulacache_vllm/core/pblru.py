@@ -1,56 +1,15 @@
 """PB-LRU: parallel bucketed LRU over the device pool of one layer group (the default policy).
 
 A bucket is a round: every slot touched in a scheduling round carries that round's number as
-its *label* (``labels[slot]``, int16; ``UNTRACKED`` = free, released or just evicted). So a
-slot sits in exactly one bucket, a touch moves it to the current bucket by overwriting one
-label, and advancing the ring is ``round += 1``: folding old buckets into "cold" is a matter of
-labels only, with no slot moved. Victims come from the oldest bucket first, then the next,
-never from the current round; inside a bucket in slot order.
-
-Per-step cost, all of it tensor ops (numpy views on CPU, see ``kernels.reference``):
-
-* hit detection + touch (``hit_touch``): one compare gives the hit mask, one ``minimum`` sends
-  the misses to a dummy label ``labels[S]``, one ``scatter_`` of the round writes the labels
-  (no boolean compaction of the hits; on CUDA one Triton kernel writes the flags and the
-  hits' labels);
-* touch of new entries and promotions: one ``scatter_``; release / eviction: one ``scatter_``
-  of ``UNTRACKED``;
-* victim selection: a bucket is *harvested* when needed -- one scan of the labels for the
-  oldest round still held (see below: rounds nobody holds any more are skipped at once)
-  gives its slots in slot order. The part not taken waits in a stash and is taken
-  first next time, after a filter that drops its slots re-touched, released or evicted since
-  (their label moved on). A round is harvested once (the harvest takes every slot of its
-  round, and no slot gets an older label later), so a selection costs a gather and a compare
-  over the stash plus about one O(pool) scan per round consumed; with the pool evicting one
-  round's worth per step that is about one scan per step. A selection that would span more
-  than ``max_harvests`` rounds (many thin ones) takes the rest in one pass instead: the old
-  slots and a stable (radix) sort of their labels.
-
-Against the position-ordered queue this replaced (``lru="pblru_queue"``, exact LRU order),
-nothing here costs per touch beyond writing the label: the queue wrote an entry per touch and
-read each one back in its stale filter, at batch >= 32 about 74k entries a step with 25 % pools.
-Against exact LRU the differences are the order inside one round (slot order, not touch
-order) and rounds older than ~16k folding into one (below); the hit rate comes out within a
-few tenths of a point, mostly slightly higher.
-
-Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): a handful of
-ops per harvest costs more than one top-k over a few thousand slots, so such a pool runs the
-exact timestamp scan instead (``policies.make_policy`` builds it): the batch-1 fast path the published
-PB-LRU lacks.
-
-The stash is always the oldest bucket, and a harvest needs no search in the common case: every
-label below ``_next`` (the round after the last one harvested) is the stash's, because touches
-write the current round (never below ``_next``), a harvest takes every slot of its round, and
-a failed selection restores the labels it took and sets ``_next`` back. So once the stash is
-used up, round ``_next`` is the oldest held unless it is empty; only then does the harvest
-look for the minimum label (one more O(pool) reduction).
-Rounds are rebased before the labels reach int16's end (``_rebase``, O(pool) once per ~16k
-rounds; labels older than ~16k rounds fold into one cold bucket, in slot order, as the
-published design's cold bucket does after its ring).
-
-``ring_size`` / ``cold_buckets`` are accepted for interface compatibility (the published design
-folds rounds older than the ring into one unordered cold bucket; labels keep their round, so
-the cold part stays ordered by round at no cost).
+its *label* (``labels[slot]``, int16; ``UNTRACKED`` = free, released or just evicted), so a
+touch is one label write and advancing the ring is ``round += 1``. Victims come from the
+oldest round first, inside a round in slot order, never from the current round. Invariants:
+every label below ``_next`` belongs to the stash (the untaken rest of the oldest bucket); a
+round is harvested once; a failed selection restores the labels it took. Labels are rebased
+before int16's end, rounds older than ~16k folding into one cold bucket. All per-step work is
+tensor ops (numpy views on CPU, one Triton kernel for hit + touch on CUDA). Small pools get the
+exact timestamp scan instead (``policies.make_policy``). How it works in detail and what it
+was measured against: ``benchmarks/results/pblru_designs.md``.
 """
 
 from __future__ import annotations

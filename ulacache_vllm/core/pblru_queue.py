@@ -1,78 +1,15 @@
 """PB-LRU on a position-ordered queue of touches (``lru="pblru_queue"``): exact LRU order.
 
-The default PB-LRU (pblru.py, per-slot round labels) replaced this design: it is 1.1-2.2x
-faster per step on CPU at batch >= 32 (1.6-2.2x with 25 % pools; no per-touch queue entry to
-filter later) at a hit rate within -0.06/+0.19 pp of this one's (which is exact LRU's). This
-one stays as the exact-order variant and for the benchmark.
-
-Representation (a choice against the design doc's per-bucket bitmaps; see below):
-
-* ``qslot`` -- one preallocated queue of touched slots (int32, a ring of capacity ``~8 S``).
-  Every touch appends its slots at the tail, so the queue is ordered by time of touch. The
-  queue is cut into per-round *buckets* by position: the current round's bucket is
-  ``[cur_start, tail)``, older rounds lie before it, oldest first. The ring of recent buckets
-  and the cold bucket are just position ranges: folding a bucket into cold costs nothing.
-* ``qpos[slot]`` -- the queue index of the slot's latest entry (``UNTRACKED`` = int32 max:
-  free, released or just evicted). An entry ``(index p, slot s)`` is *live* iff ``qpos[s] == p``;
-  older entries of a re-touched slot, released slots and consumed victims become stale by
-  that rule alone, with no removal.
-
-Per-step cost is a constant handful of tensor ops plus work proportional to the entries
-touched, independent of the pool size (small pools take a timestamp scan instead, see the end):
-
-* touch (hit, promotion, new entry) = ``queue_push``: one slice write of the slots at the tail
-  plus one ``scatter_`` of their indices into ``qpos`` (a Triton kernel on CUDA);
-* release / eviction = one ``scatter_`` (``index_fill_`` under 1024 slots) of ``UNTRACKED``
-  into ``qpos``;
-* advance_round = move ``cur_start`` to the tail (no tensor op);
-* victim selection = ``queue_take`` over windows at the queue head, never past ``cur_start``
-  (never the current round): gather ``qpos`` of the window's slots, compare with the window's
-  indices (the stale filter), keep the live ones, oldest first. A window is sized from the
-  observed live fraction (at least ``_MIN_WINDOW`` entries, and the whole rest of ``[head,
-  cur_start)`` when under twice that: one wider scan is cheaper than another round of ops;
-  the estimate drops at most 1.2x per window, so a dead stretch does not size the next window
-  for the whole ring). Live entries a window finds beyond those needed (up to as many as
-  were needed) go to a *stash*, the oldest live entries of all, taken first by the next
-  selection after a stale filter of their own; the head passes the window (or stops after
-  the last one stashed). So every entry is read about once, by one window: the work is
-  proportional to the entries touched since, not to the pool.
-  Fixed cost per call (CPU): select ~6 ops per window plus ~4 for the stash, touch 3 ops
-  (indices slice, queue write, ``qpos`` scatter), hit_touch = ``hit_touch_push``: hit
-  detection and the touch of the hits in one kernel call (CPU: 3 shared hit-detection ops +
-  a touch; CUDA: a flag kernel, a prefix sum and one scatter kernel, no boolean compaction).
-  Free slots are taken from the pool's free stack before the policy is asked; a round whose
-  misses fit in the free slots never calls the selection at all (the fast path when little
-  replacement is needed).
-* the queue is a ring: positions grow forever, position ``p`` lives at index ``p % cap``, and
-  ``tail - head <= cap`` (counting the stash from its first position) keeps every live entry
-  from being overwritten. A push that would cross the ring's end pads the end with a dummy
-  slot (never live) and starts at index 0. With large pools and little eviction (high hit
-  rates) the head barely moves and stale entries pile up: a ring 3/4 full is then compacted
-  *incrementally* (``_pass_step``): from the current round's start back to the head, each push
-  moves the live entries of ~4x its own size, in order, next to those already packed, so the
-  pass ends before the ring fills; a victim search that reaches the pass's cursor jumps over
-  the dead stretch. Only a ring that fills anyway is compacted at once (O(queue)). Before the
-  passes, those one-shot compactions made the slowest replay step 16 / 88 / 307 ms at batch
-  32 / 128 / 256 with 75 % pools and 60-95 % top-k overlap; now 3 / 13 / 25 ms (the exact
-  LRU's: 6 / 16 / 83 ms). Before the ring, a linear queue compacted every ~7 S pushes.
-
-Victim order is exact LRU at touch granularity (oldest touch first, within one touch call in
-slot order: the order of ``ListLRU``), so hit rates match the exact LRU up to tie-breaking.
-The published design keeps one bitmap per bucket with summary levels; it is implemented as
-``lru="pblru_bitmap"`` (pblru_bitmap.py) and replayed beside this one by
-``benchmarks/pblru_vs_lru.py``. Bitmaps pay a per-touch bit move (clear in every row, set in
-the current one) and a multi-level expansion per search, and order slots by index inside a
-bucket; the stale filter over a position-ordered queue finds the oldest live members with one
-gather/compare/compact and skips dead segments by advancing the head. Measured on CPU (full
-sweep), the queue is up to 4x faster than the bitmaps (most at small batches; about even at
-batch 256 with the smallest pools) and matches exact LRU's hit rate exactly, where the bitmaps
-differ by up to 2.1 pp (cold bucket in slot order). ``ring_size`` / ``cold_buckets`` are
-accepted for interface compatibility; they do not change the victim order.
-
-Small pools (``<= SMALL_POOL_SLOTS``, env ``ULACACHE_PBLRU_SMALL_POOL_SLOTS``): the queue's
-fixed handful of ops per selection costs more than one top-k over the whole pool, so such a
-pool runs the exact timestamp scan instead (same victims; ``policies.make_policy`` builds it). This
-is the batch-1 fast path the published PB-LRU lacks.
+``qslot`` is a ring of touched slots in time order, cut into per-round buckets by position
+(the current round is ``[cur_start, tail)``); ``qpos[slot]`` is the ring index of the slot's
+latest entry, so an entry is live iff ``qpos[slot] == its index`` and stale entries need no
+removal. Invariants: ``tail - head <= capacity`` (no live entry is overwritten); victims are
+taken from the head, oldest touch first, never past ``cur_start`` (never the current round);
+the stash holds the oldest live entries and is taken first. Per-step work is a constant
+handful of tensor ops plus work proportional to the entries touched; a ring 3/4 full is
+compacted incrementally. Small pools get the exact timestamp scan instead
+(``policies.make_policy``). The default PB-LRU (``pblru.py``) replaced this one; detail and
+measurements: ``benchmarks/results/pblru_designs.md``.
 """
 
 from __future__ import annotations

@@ -6,9 +6,14 @@ capacity, so admission, preemption and freeing count both tiers and no request h
 quota. Placement (device or host, which slot) is decided in the worker by the mapping table;
 this manager reports which logical blocks died so the worker releases their slots (a freed
 block that stays in vLLM's prefix cache is not dead: its rows stay until the block is
-evicted or reused), and keeps
-the whole public surface vLLM's scheduler, engine core and connectors use (it *is* a
-`KVCacheManager`).
+evicted or reused), and keeps the whole public surface vLLM's scheduler, engine core and
+connectors use (it *is* a `KVCacheManager`).
+
+Every free path passes through one place, `_returned`: the manager's own block pool hands
+every block it takes back to it, whether the manager freed them (`free`) or vLLM's scheduler
+returns a deferred free straight to the pool once the step that may still write them is done
+(async scheduling, pipeline parallelism: `pop_blocks_for_free` now, `free_blocks` later). A
+block is reported dead only when it is back in the pool.
 """
 from __future__ import annotations
 
@@ -23,12 +28,20 @@ class UlaKVCacheManager(KVCacheManager):
         # Blocks whose identity placement (logical slot == device slot) lands in the device
         # pool: while only these are live, the worker needs no translation at all.
         self._device_blocks = (layout.device_slots // layout.block_size) if layout else 0
+        pool_free = self.block_pool.free_blocks
 
-    def _record_dead(self, block_ids) -> None:
+        def free_blocks(ordered_blocks) -> None:  # this pool's only way back: see module doc
+            blocks = list(ordered_blocks)
+            pool_free(blocks)
+            self._returned(blocks)
+
+        self.block_pool.free_blocks = free_blocks
+
+    def _returned(self, blocks) -> None:
         pool = self.block_pool
         queue = pool.free_block_queue
-        for bid in block_ids:
-            blk = pool.blocks[bid]
+        for blk in blocks:
+            bid = blk.block_id
             if blk.ref_cnt == 0 and not blk.is_null:
                 if blk.block_hash is None:
                     self._freed.append(bid)
@@ -42,25 +55,6 @@ class UlaKVCacheManager(KVCacheManager):
                     # prefix cache the queue's order is its eviction order: left alone.)
                     queue.remove(blk)
                     queue.append(blk)
-
-    def _request_block_ids(self, request_id: str) -> list[int]:
-        ids: list[int] = []
-        for mgr in self.coordinator.single_type_managers:
-            ids.extend(b.block_id for b in mgr.req_to_blocks.get(request_id, ()) if not b.is_null)
-        return ids
-
-    def free(self, request) -> None:
-        ids = self._request_block_ids(request.request_id)
-        super().free(request)
-        self._record_dead(ids)
-
-    def pop_blocks_for_free(self, request):
-        blocks = super().pop_blocks_for_free(request)
-        # Deferred free: the blocks return to the pool later. Dead then unless another
-        # request shares them (a prefix hit) or they are prefix-cache entries.
-        self._freed.extend(b.block_id for b in blocks
-                           if not b.is_null and b.ref_cnt <= 1 and b.block_hash is None)
-        return blocks
 
     def _cached_free_blocks(self) -> list[int]:
         return [b.block_id for b in self.block_pool.blocks
