@@ -38,8 +38,9 @@ from pathlib import Path as _Path  # noqa: E402
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parent))  # _host, beside this script
 from _host import cpu_host  # noqa: E402
-from ulacache_vllm.core.mapping import POLICIES as MAPPING_POLICIES
-from ulacache_vllm.core.trace import generate_dsa_trace, load_trace, replay
+from lab.policies import NAMES as MAPPING_POLICIES  # noqa: E402
+from lab.policies import factory  # noqa: E402
+from lab.trace import generate_dsa_trace, load_trace, replay  # noqa: E402
 
 POLICIES = tuple(MAPPING_POLICIES)
 
@@ -48,7 +49,7 @@ def replay_once(trace, pool, lru, ring, cold):
     """One replay: ``(per-step policy seconds of the selecting steps, hit rate, victim path,
     policy seconds by call)``."""
     groups = sorted({s.group for s in trace.steps})
-    maps = {g: TieredMapping(trace.num_logical, pool, trace.num_logical, lru=lru,
+    maps = {g: TieredMapping(trace.num_logical, pool, trace.num_logical, lru=factory(lru),
                              ring_size=ring, profile=True) for g in groups}
     if lru == "pblru" and cold is not None:
         from ulacache_vllm.core.pblru import PBLRU

@@ -28,7 +28,7 @@ from pathlib import Path as _Path  # noqa: E402
 
 _sys.path.insert(0, str(_Path(__file__).resolve().parent))  # _host, beside this script
 from _host import cpu_host  # noqa: E402
-from ulacache_vllm.core.trace import generate_dsa_trace, load_trace
+from lab.trace import generate_dsa_trace, load_trace  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROW_BYTES = 656 * 61  # DeepSeek-V3.2: fp8 latent + rope + scales per token per layer, 61 layers

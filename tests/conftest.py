@@ -22,6 +22,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/_vllm_subprocess.py
+sys.path.insert(0, str(REPO_ROOT / "benchmarks"))  # the lab: baselines the tests compare with
 MODELS_CACHE = Path(os.environ.get("ULACACHE_MODELS_CACHE", REPO_ROOT / "models_cache" / "tests"))
 
 

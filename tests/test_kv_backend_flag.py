@@ -29,7 +29,7 @@ def test_setting_flags_check_their_choices(parser, capsys):
 
     with pytest.raises(SystemExit):
         parser.parse_args(["--model", "m", "--ula-lru", "fifo"])
-    assert "exact_list" in capsys.readouterr().err
+    assert "exact_ts" in capsys.readouterr().err
     args = parser.parse_args(["--model", "m", "--kv-backend", "ulacache", "--ula-lru", "EXACT_TS",
                               "--ula-fast-path", "No"])
     cfg = AsyncEngineArgs.from_cli_args(args).additional_config

@@ -24,7 +24,7 @@ def test_pblru_quick_and_trace_runs_write_their_own_files(tmp_path):
 
     host = json.loads((tmp_path / "pblru_vs_lru_quick.json").read_text())["host"]
     assert host["mla_path"] in ("amx", "reference") and isinstance(host["amx_tile"], bool)
-    from ulacache_vllm.core.trace import generate_dsa_trace, save_trace
+    from lab.trace import generate_dsa_trace, save_trace
 
     trace = tmp_path / "t.npz"
     save_trace(generate_dsa_trace(num_steps=6, batch=4, topk=16, prompt_len=(16, 32),

@@ -86,11 +86,11 @@ def runs(request, tiny_model, tmp_path_factory):
     name, path = request.param
     model = tiny_model(name)
     trace = tmp_path_factory.mktemp("trace") / "selections.jsonl"
-    # DeepSeek runs the default PB-LRU's round labels, GLM the queue PB-LRU, both at every pool
-    # size (the ~2.7k-slot pools here are below the small-pool threshold, whose timestamp scan
-    # test_model_shapes runs): every victim search meets the real engine.
+    # DeepSeek runs the default PB-LRU's round labels at every pool size (the ~2.7k-slot pools
+    # here are below the small-pool threshold, whose timestamp scan test_model_shapes runs),
+    # GLM the exact LRU (`--ula-lru exact_ts`): every victim search meets the real engine.
     env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"}
-    ula = _run(model, "ulacache", path, trace, env, "pblru_queue" if name == "glm_dsa" else None)
+    ula = _run(model, "ulacache", path, trace, env, "exact_ts" if name == "glm_dsa" else None)
     ula["trace_path"] = str(trace)
     ula["path"] = host_mla_path() if path == "host" else path
     return name, _run(model, "vllm", path), ula
@@ -110,7 +110,7 @@ def test_token_exact_parity_under_pressure(runs):
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
     assert m["vllm:ulacache_lookups"] > m["vllm:ulacache_hits"] > 0, m
     assert m["vllm:ulacache_bytes_moved"] > 0, m
-    want = "queue" if name == "glm_dsa" else "rounds"  # see the ``runs`` fixture
+    want = "exact_ts" if name == "glm_dsa" else "rounds"  # see the ``runs`` fixture
     assert set(ula["usage_end"]["victim_paths"]) == {want}, ula["usage_end"]
     # It started in identity placement and left it when the device pool overflowed.
     assert m["vllm:ulacache_fast_path_exits"] >= 1, m
@@ -149,7 +149,7 @@ def test_recorded_trace_replays_through_the_core(runs):
     import torch
 
     from ulacache_vllm.core.mapping import TieredMapping
-    from ulacache_vllm.core.trace import load_trace, replay
+    from lab.trace import load_trace, replay
 
     _, _, ula = runs
     trace = load_trace(ula["trace_path"])
@@ -188,17 +188,18 @@ emit({"out": [o.outputs[0].token_ids for o in outs], "metrics": m, "victim_paths
 
 def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
     """DeepSeek-V3.2 with one MTP layer (its own sparse-MLA layer group): greedy speculative
-    decoding gives the same tokens with ulacache under pressure as stock vLLM. This run also
-    takes the published bucket-bitmap PB-LRU (``ula_lru="pblru_bitmap"``) through the engine;
-    the parity runs above cover the round-label and queue PB-LRUs."""
+    decoding gives the same tokens with ulacache under pressure as stock vLLM (the draft layer's
+    writes are the contract's one in-forward assignment), with the round-label PB-LRU's own
+    search."""
     model = str(tiny_model("deepseek_v32", num_nextn_predict_layers=1))
     ref = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
         "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900)
     ula = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
         "kv_backend": "ulacache", "kv_cache_memory_bytes": 18_000_000,
-        "ula_host_pool_gib": 0.008, "ula_lru": "pblru_bitmap"}}, timeout=900)
+        "ula_host_pool_gib": 0.008}}, timeout=900,
+        env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"})
     assert ula["out"] == ref["out"]
-    assert set(ula["victim_paths"]) == {"pblru_bitmap"}, ula["victim_paths"]
+    assert set(ula["victim_paths"]) == {"rounds"}, ula["victim_paths"]
     m = ula["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0, m
     assert m["vllm:ulacache_promotions"] > 0 and m["vllm:ulacache_demotions"] > 0, m

@@ -8,7 +8,8 @@ Module-scoped, not function-scoped: hypothesis refuses function-scoped fixtures 
 
 import pytest
 
-from ulacache_vllm.core import pblru, pblru_queue
+from lab import pblru_queue
+from ulacache_vllm.core import pblru
 
 
 @pytest.fixture(autouse=True, scope="module")

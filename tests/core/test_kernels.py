@@ -298,7 +298,8 @@ def test_pblru_rounds_same_with_triton_path(monkeypatch):
 def test_mapping_same_with_triton_path(monkeypatch, lru):
     """A whole replay gives identical results on the Triton and torch paths."""
     from ulacache_vllm.core import TieredMapping
-    from ulacache_vllm.core.trace import generate_dsa_trace, replay
+    from lab.policies import factory
+    from lab.trace import generate_dsa_trace, replay
 
     tr = generate_dsa_trace(num_steps=12, batch=2, topk=32, prompt_len=(64, 128),
                             decode_len=(4, 8), seed=3)
@@ -306,7 +307,7 @@ def test_mapping_same_with_triton_path(monkeypatch, lru):
     outs = []
     for force in ("0", "1"):
         monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
-        m = TieredMapping(tr.num_logical, pool, tr.num_logical, lru=lru, ring_size=3)
+        m = TieredMapping(tr.num_logical, pool, tr.num_logical, lru=factory(lru), ring_size=3)
         replay(tr, {0: m})
         outs.append((m.stats.hits, m.stats.promotions, m.resolve(torch.arange(tr.num_logical))))
     assert outs[0][0] == outs[1][0] and outs[0][1] == outs[1][1]
@@ -345,7 +346,7 @@ def test_queue_pblru_ring_same_with_triton_path(monkeypatch):
     """The queue PB-LRU on the Triton kernels picks the same victims as on the torch path
     through ring wraps, windows crossing the ring's end, stashes and compactions."""
     from _policy_drive import hit_some, select_all, touch_new
-    from ulacache_vllm.core import QueuePBLRU
+    from lab.pblru_queue import QueuePBLRU
 
     S = 24
     pols = _on_both_paths(monkeypatch, lambda: QueuePBLRU(S, "cpu", queue_capacity=2 * S + 5))

@@ -4,15 +4,17 @@ a failed copy can be resumed, plans apply in order."""
 import pytest
 import torch
 
-from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent, RowStore,
+from lab.policies import NAMES as POLICIES
+from lab.policies import factory
+from lab.row_store import RowStore
+from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent,
                                 TieredMapping, unpack)
-from ulacache_vllm.core.mapping import POLICIES
 
 
 def _filled(lru, n_dev, n_host, n_entries, store=None):
     """Entries 0..n_entries-1 written one per round (value 100 + address): the oldest end up
     on the host."""
-    m = TieredMapping(64, n_dev, n_host, lru=lru)
+    m = TieredMapping(64, n_dev, n_host, lru=factory(lru))
     store = store or RowStore(n_dev, n_host)
     for a in range(n_entries):
         slots, plan = m.assign(torch.tensor([a]))

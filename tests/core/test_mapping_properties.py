@@ -5,10 +5,12 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent, RowStore,
+from lab import pblru_queue as pblru_mod
+from lab.policies import factory
+from lab.row_store import RowStore
+from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent,
                                 TieredMapping, unpack)
 from ulacache_vllm.core import pblru as labels_mod
-from ulacache_vllm.core import pblru_queue as pblru_mod
 
 POLICIES = ["pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"]
 
@@ -74,7 +76,7 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
     old = pblru_mod.SMALL_POOL_SLOTS, labels_mod.SMALL_POOL_SLOTS
     pblru_mod.SMALL_POOL_SLOTS = labels_mod.SMALL_POOL_SLOTS = 4096 if small else 0
     try:
-        m = TieredMapping(num_logical, dev_slots, host_slots, lru=lru, ring_size=ring)
+        m = TieredMapping(num_logical, dev_slots, host_slots, lru=factory(lru), ring_size=ring)
     finally:
         pblru_mod.SMALL_POOL_SLOTS, labels_mod.SMALL_POOL_SLOTS = old
     if lru == "pblru_queue":
@@ -176,7 +178,7 @@ def test_resolve_respects_fences(lru, n_dev, seed):
     """Before a plan's copy completes, resolve never shows the new location; after, it does."""
     g = torch.Generator().manual_seed(seed)
     n = 3 * n_dev
-    m = TieredMapping(n, n_dev, n, lru=lru)
+    m = TieredMapping(n, n_dev, n, lru=factory(lru))
     store = RowStore(n_dev, n)
     for a in range(n):  # fill: older entries are demoted to the host
         slots, plan = m.assign(torch.tensor([a]))
@@ -272,7 +274,7 @@ def test_tp_placement():
 
 
 def test_pblru_default_queue_capacity_fits_int32_positions():
-    from ulacache_vllm.core.pblru_queue import UNTRACKED, default_queue_capacity
+    from lab.pblru_queue import UNTRACKED, default_queue_capacity
 
     assert default_queue_capacity(1000) == 8 * 1000 + 4096
     for S in (2**28 - 1, 2**28, 2**29, 2**30 - 1):  # (not allocated here: gigabytes)
@@ -298,11 +300,12 @@ def test_queue_pblru_is_exact_lru(ops, S, cap_extra, small):
     same order, on the small-pool scan path as a set), including
     across queue compactions (tiny queue capacity), releases and re-touches; the timestamp
     LRU the same set."""
-    from ulacache_vllm.core import ListLRU, QueuePBLRU, TimestampLRU
+    from lab.list_lru import ListLRU
+    from lab.pblru_queue import QueuePBLRU
+    from lab.policies import make as make_policy
+    from ulacache_vllm.core import TimestampLRU
 
     # small=0: the queue at every size; 4096: these pools take the small-pool scan path.
-    from ulacache_vllm.core.policies import make_policy
-
     pb = make_policy("pblru_queue", S, "cpu", small_pool_slots=small,
                      queue_capacity=2 * S + cap_extra)
     assert isinstance(pb, QueuePBLRU) == (small == 0)
@@ -378,7 +381,8 @@ def test_queue_pblru_is_exact_lru(ops, S, cap_extra, small):
 def test_queue_pblru_is_exact_lru_large_windows(seed):
     """Large pools: scan windows beyond the lazy-head limit (exact head advance read off qpos),
     multi-window selections and window-view reuse pick exactly ListLRU's victims."""
-    from ulacache_vllm.core import ListLRU, QueuePBLRU
+    from lab.list_lru import ListLRU
+    from lab.pblru_queue import QueuePBLRU
 
     S = 6000
     g = torch.Generator().manual_seed(seed)
@@ -422,7 +426,8 @@ def test_queue_pblru_ring_wraps_exact(seed, pass_budget):
     victims stay exactly ListLRU's, CapacityErrors agree, and the queue invariants
     (``bucket_of``) hold throughout."""
     from _policy_drive import select_all
-    from ulacache_vllm.core import ListLRU, QueuePBLRU
+    from lab.list_lru import ListLRU
+    from lab.pblru_queue import QueuePBLRU
 
     S = 48
     g = torch.Generator().manual_seed(seed)
@@ -472,14 +477,15 @@ def test_queue_pblru_ring_wraps_exact(seed, pass_budget):
 
 
 def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
-    from ulacache_vllm.core.policies import make_policy
+    from lab.policies import make as make_policy
 
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "100")
     for name, own in (("pblru_queue", "queue"), ("pblru", "rounds")):
         assert make_policy(name, 100, "cpu").victim_path == "scan"
         assert make_policy(name, 101, "cpu").victim_path == own
         assert make_policy(name, 50, "cpu", small_pool_slots=0).victim_path == own  # arg wins
-    assert TieredMapping(64, 100, 8, lru="pblru_queue").policy.victim_path == "scan"
+    assert TieredMapping(64, 100, 8, lru=factory("pblru_queue")).policy.victim_path == "scan"
+    assert TieredMapping(64, 100, 8, lru="pblru").policy.victim_path == "scan"
     assert not hasattr(make_policy("exact_ts", 10, "cpu"), "victim_path")  # baselines: as is
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "lots")
     with pytest.raises(ValueError, match="ULACACHE_PBLRU_SMALL_POOL_SLOTS must be an integer"):
@@ -490,8 +496,8 @@ def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
 def test_a_small_pool_gets_the_scan_under_the_requested_name(name):
     """The factory decides the small-pool case once: the scan is its own policy object (no
     method rebinding), named after the requested policy, and picks exact-LRU victims."""
+    from lab.policies import make as make_policy
     from ulacache_vllm.core.exact_lru import SmallPoolScan
-    from ulacache_vllm.core.policies import make_policy
 
     p = make_policy(name, 64, "cpu", small_pool_slots=100)
     assert isinstance(p, SmallPoolScan) and p.name == name and p.victim_path == "scan"
@@ -503,5 +509,7 @@ def test_a_small_pool_gets_the_scan_under_the_requested_name(name):
     q.touch(torch.arange(4))
     q.advance_round()
     assert q.select_victims(2).tolist() == [0, 1]
-    with pytest.raises(ValueError, match="lru must be one of"):
-        make_policy("fifo", 8, "cpu")
+    from ulacache_vllm.core.policies import make_policy as product_policy
+
+    with pytest.raises(ValueError, match="lru must be one of pblru.exact_ts"):
+        product_policy("pblru_queue", 8, "cpu")  # a lab baseline: passed as a factory only

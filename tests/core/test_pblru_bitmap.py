@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ulacache_vllm.core import BitmapPBLRU, CapacityError
+from lab.pblru_bitmap import BitmapPBLRU
+from ulacache_vllm.core import CapacityError
 
 S = 300
 

@@ -6,7 +6,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ulacache_vllm.core import CapacityError, ListLRU, PBLRU, TieredMapping
+from lab.list_lru import ListLRU
+from lab.policies import factory
+from ulacache_vllm.core import PBLRU, CapacityError, TieredMapping
 
 op = st.one_of(
     st.tuples(st.just("new"), st.integers(0, 8), st.integers(0, 2**31)),
@@ -147,14 +149,14 @@ def test_hit_rate_matches_exact_lru_on_a_dsa_trace():
     """Through the mapping on a small DSA-like trace: PB-LRU's hit rate is within 0.5 pp of
     exact LRU's (it orders a round by slot instead of by touch, nothing else; on this trace
     it is 0.19 pp lower, on the benchmark's larger ones mostly a little higher)."""
-    from ulacache_vllm.core.trace import generate_dsa_trace, replay
+    from lab.trace import generate_dsa_trace, replay
 
     tr = generate_dsa_trace(num_steps=30, batch=6, topk=64, prompt_len=(300, 900),
                             decode_len=(30, 60), prefill_chunk=64, overlap=(0.4, 0.8), seed=3)
     pool = max(int(0.3 * tr.working_set), int(1.25 * tr.peak_append))
     rates = {}
     for lru in ("pblru", "exact_list"):
-        maps = {g: TieredMapping(tr.num_logical, pool, tr.num_logical, lru=lru)
+        maps = {g: TieredMapping(tr.num_logical, pool, tr.num_logical, lru=factory(lru))
                 for g in sorted({s.group for s in tr.steps})}
         replay(tr, maps)
         lk = sum(m.stats.lookups for m in maps.values())

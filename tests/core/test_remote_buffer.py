@@ -7,10 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lab.policies import NAMES as POLICIES
+from lab.policies import factory
+from lab.row_store import RowStore
 from ulacache_vllm.core import (DEVICE, HOST, CapacityError, ManualEvent, RemoteRowBuffer,
-                                RowStore, TieredMapping, unpack)
-
-POLICIES = ["pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"]
+                                TieredMapping, unpack)
 
 
 class Cluster:
@@ -19,10 +20,12 @@ class Cluster:
 
     def __init__(self, P, N, dev, host, buf, lru):
         self.P, self.N = P, N
-        self.maps = [TieredMapping(N, dev, host, placement="tp", rank=r, world_size=P, lru=lru)
+        self.maps = [TieredMapping(N, dev, host, placement="tp", rank=r, world_size=P,
+                                   lru=factory(lru))
                      for r in range(P)]
         self.stores = [RowStore(dev, host) for _ in range(P)]
-        self.bufs = [RemoteRowBuffer(N, buf, rank=r, world_size=P, lru=lru) for r in range(P)]
+        self.bufs = [RemoteRowBuffer(N, buf, rank=r, world_size=P, lru=factory(lru))
+                     for r in range(P)]
         self.rows = [torch.full((buf, 1), -1, dtype=torch.int64) for _ in range(P)]
         self.value = {}  # live address -> the value written for it
         self.version = 0
@@ -185,7 +188,7 @@ def test_plans_apply_in_creation_order():
 
 @pytest.mark.parametrize("lru", POLICIES)
 def test_round_larger_than_buffer_changes_nothing(lru):
-    b = RemoteRowBuffer(64, 4, rank=0, world_size=2, lru=lru)
+    b = RemoteRowBuffer(64, 4, rank=0, world_size=2, lru=factory(lru))
     _, p = b.lookup(torch.tensor([1, 3, 5]))
     b.apply(p, lambda *a: None)
     table, used, fetched = b.table.clone(), b.used, b.stats.fetched
@@ -266,7 +269,7 @@ def test_tp_benchmark_replay_saves_fetches():
     import importlib.util
     import pathlib
 
-    from ulacache_vllm.core.trace import generate_dsa_trace
+    from lab.trace import generate_dsa_trace
 
     path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "tp_remote_buffer.py"
     spec = importlib.util.spec_from_file_location("tp_remote_buffer", path)
@@ -305,7 +308,7 @@ def test_old_fetch_never_publishes_a_slot_a_later_fetch_rewrites(lru):
     """Evicted and fetched back into the same slot while the first fetch is in flight: the
     first fetch's completion must not make the address visible (the slot is still being
     rewritten by the later fetches on the in-order stream)."""
-    b = RemoteRowBuffer(16, 1, rank=0, world_size=2, lru=lru)
+    b = RemoteRowBuffer(16, 1, rank=0, world_size=2, lru=factory(lru))
     evs = []
     for a in (1, 3, 1):  # 1 -> slot 0, 3 evicts it, 1 evicts 3: all into slot 0
         _, p = b.lookup(torch.tensor([a]))

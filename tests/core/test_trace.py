@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ulacache_vllm.core import TieredMapping
-from ulacache_vllm.core.trace import generate_dsa_trace, load_trace, replay, save_trace
+from lab.policies import factory
+from lab.trace import generate_dsa_trace, load_trace, replay, save_trace
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +202,7 @@ def test_engine_style_jsonl_with_repeated_headers(tmp_path):
 @pytest.mark.parametrize("suffix", [".jsonl", ".npz"])
 def test_roundtrip_of_a_hand_made_trace_without_requests(tmp_path, suffix):
     """A trace built by hand (no per-address request ids) saves and loads in both formats."""
-    from ulacache_vllm.core.trace import Trace, TraceStep
+    from lab.trace import Trace, TraceStep
     tr = Trace([TraceStep(0, select_addr=torch.tensor([1, 2]), append_addr=torch.tensor([1, 2]))], 4)
     path = tmp_path / f"t{suffix}"
     save_trace(tr, str(path))
@@ -259,10 +260,10 @@ def test_replay_splits_a_round_larger_than_the_pool_like_the_engine(tmp_path):
     assert t.peak_append == 6 and t.peak_demand == 12
     stats = set()
     for lru in ("pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"):
-        m = TieredMapping(t.num_logical, 8, 16, lru=lru)
+        m = TieredMapping(t.num_logical, 8, 16, lru=factory(lru))
         assert replay(t, {0: m}) == 4  # [0:4] [4:6] of request 0, [6:10] [10:12] of request 1
         assert m.stats.lookups == 12 and m.stats.promotions > 0 and m.device_used <= 8
         if lru not in ("pblru", "pblru_bitmap"):
             stats.add((m.stats.hits, m.stats.promotions, m.stats.demotions))
-        assert replay(t, {0: TieredMapping(t.num_logical, 12, 16, lru=lru)}) == 0  # it fits
+        assert replay(t, {0: TieredMapping(t.num_logical, 12, 16, lru=factory(lru))}) == 0  # it fits
     assert len(stats) == 1, stats

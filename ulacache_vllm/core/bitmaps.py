@@ -1,5 +1,5 @@
 """Packed multi-row bitmaps with summary levels: the buckets of the bitmap PB-LRU
-(`pblru_bitmap.py`) and the derived free-set view of a slot pool (`SlotPool.free_bits`;
+(`benchmarks/lab/pblru_bitmap.py`) and the derived free-set view of a slot pool (`SlotPool.free_bits`;
 allocation itself uses a free stack, see pools.py).
 
 Row ``r`` is one set of slots (a bucket, or a free list). Level 0 holds one bit per slot; level

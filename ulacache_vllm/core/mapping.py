@@ -38,7 +38,7 @@ from .fence import Fence
 from .placement import Placement
 from .plan_queue import AllEvents as _AllEvents
 from .plan_queue import PlanQueue, UniqueAddresses, as_addresses
-from .policies import POLICIES, make_policy  # noqa: F401  (POLICIES: re-exported)
+from .policies import POLICIES, PolicyFactory, make_policy  # noqa: F401  (re-exported)
 from .policy import EvictionPolicy
 from .pools import CapacityError, SlotPool
 
@@ -144,7 +144,7 @@ class _TimedPolicy(EvictionPolicy):
 class TieredMapping(PlanQueue):
     def __init__(self, num_logical: int, device_slots: int, host_slots: int, *,
                  device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
-                 placement: str = "dp", lru: str = "pblru", ring_size: int = 8,
+                 placement: str = "dp", lru: str | PolicyFactory = "pblru", ring_size: int = 8,
                  profile: bool = False):
         if max(device_slots, host_slots) >= 1 << SLOT_BITS:
             raise ValueError("pools are limited to 2**32 slots")
@@ -159,7 +159,9 @@ class TieredMapping(PlanQueue):
         self.dev = SlotPool(device_slots, self.device)
         self.host = SlotPool(host_slots, self.device)
         self.stats = MappingStats()
-        policy = make_policy(lru, device_slots, self.device, ring_size)
+        # A product policy by name, or a factory passed explicitly (the benchmarks' baselines).
+        policy = (lru(device_slots, self.device, ring_size) if callable(lru)
+                  else make_policy(lru, device_slots, self.device, ring_size))
         self.policy = _TimedPolicy(policy, self.stats) if profile else policy
         self._init_plans(n, self.device)  # plans in flight (PlanQueue)
         self._epoch = 0  # bumped by every free, adoption and new plan (see _commit)

@@ -75,7 +75,7 @@ class RemoteRowBuffer(PlanQueue):
     KIND = "fetch"
 
     def __init__(self, num_logical: int, num_slots: int, *, rank: int, world_size: int,
-                 device: torch.device | str = "cpu", lru: str = "pblru", ring_size: int = 8):
+                 device: torch.device | str = "cpu", lru="pblru", ring_size: int = 8):
         if num_slots < 1:
             raise ValueError(f"a remote-row buffer needs at least one slot, got {num_slots}")
         self.device = torch.device(device)
@@ -86,7 +86,8 @@ class RemoteRowBuffer(PlanQueue):
         self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)  # fetched
         self._unique = UniqueAddresses(n, self.device)
         self.pool = SlotPool(num_slots, self.device)  # owner = the buffered address
-        self.policy = make_policy(lru, num_slots, self.device, ring_size)
+        self.policy = (lru(num_slots, self.device, ring_size) if callable(lru)  # (a factory)
+                       else make_policy(lru, num_slots, self.device, ring_size))
         self.stats = RemoteBufferStats()
         self._init_plans(n, self.device)  # fetches in flight (PlanQueue)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -63,7 +63,7 @@ BOOL_WORDS = _TRUE + _FALSE  # what a boolean setting accepts as a string
 
 
 def _lru_choices() -> tuple[str, ...]:
-    from ulacache_vllm.core.mapping import POLICIES
+    from ulacache_vllm.core.policies import POLICIES
 
     return tuple(POLICIES)
 
@@ -85,10 +85,9 @@ class UlaSettings:
         4.0, "gib", "host-memory pool for sparse-MLA rows, in GiB (default 4). Must hold one "
         "request of `max_model_len`; startup fails with the numbers otherwise.", metavar="G")
     lru: str = _setting(
-        "pblru", "choice", "device-pool victim policy: `pblru` (default, round-label PB-LRU), "
-        "`pblru_queue` (the PB-LRU on a queue of touches, exact LRU order), `pblru_bitmap` "
-        "(the published bucket-bitmap PB-LRU), `exact_ts` / `exact_list` (exact LRUs, for "
-        "comparison).", choices=_lru_choices)
+        "pblru", "choice", "device-pool victim policy: `pblru` (default, round-label PB-LRU) "
+        "or `exact_ts` (an exact LRU, timestamp scan). The benchmarks' other baselines live "
+        "in `benchmarks/lab`.", choices=_lru_choices)
     trace_path: str | None = _setting(
         None, "path", "record each step's appended / selected / freed logical addresses "
         "(JSONL) for `benchmarks/pblru_vs_lru.py --trace FILE`. The file is overwritten at "
@@ -129,9 +128,8 @@ BACKEND_HELP = ("`vllm`: stock block manager (default). `ulacache`: logical addr
                 "device + host for DSA models.")
 # Environment knobs beside the settings (read where they act; listed in the same table).
 ENV_KNOBS = {
-    "ULACACHE_PBLRU_SMALL_POOL_SLOTS": "PB-LRU pools up to this many slots (default 4096 for "
-    "`pblru`, 16384 for `pblru_queue`) pick victims by one timestamp top-k (exact LRU; cheaper "
-    "for small pools).",
+    "ULACACHE_PBLRU_SMALL_POOL_SLOTS": "PB-LRU pools up to this many slots (default 4096) "
+    "pick victims by one timestamp top-k (exact LRU; cheaper for small pools).",
 }
 
 

@@ -5,7 +5,7 @@ from typing import Any
 
 from vllm.logger import init_logger
 
-from ulacache_vllm.core.mapping import POLICIES
+from ulacache_vllm.core.policies import POLICIES
 
 from .config import KVBackendError, UlaSettings
 

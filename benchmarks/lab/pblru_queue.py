@@ -18,8 +18,8 @@ import torch
 
 from ulacache_vllm import kernels as K
 
-from .policy import EvictionPolicy
-from .pools import CapacityError
+from ulacache_vllm.core.policy import EvictionPolicy
+from ulacache_vllm.core.pools import CapacityError
 
 # The queue, its positions and ``qpos`` are int32: ring indices are below ``cap`` (< 2^31), and
 # half-width entries halve the bytes the stale filter and the touches move (the filter's

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .mapping import DEVICE, HOST, STAGING
+from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING
 
 
 class RowStore:

@@ -29,9 +29,9 @@ import torch
 
 from ulacache_vllm import kernels as K
 
-from .bitmaps import HierBitmap
-from .policy import EvictionPolicy
-from .pools import CapacityError
+from ulacache_vllm.core.bitmaps import HierBitmap
+from ulacache_vllm.core.policy import EvictionPolicy
+from ulacache_vllm.core.pools import CapacityError
 
 
 class BitmapPBLRU(EvictionPolicy):

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .address_space import LogicalAddressSpace
-from .pools import CapacityError
+from ulacache_vllm.core.address_space import LogicalAddressSpace
+from ulacache_vllm.core.pools import CapacityError
 
 FREE, APPEND, SELECT = 0, 1, 2
 _KINDS = {"free": FREE, "append": APPEND, "select": SELECT}
