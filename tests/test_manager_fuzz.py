@@ -1,0 +1,23 @@
+"""The scheduler-facing manager and the worker store under random admit / append / finish /
+preempt / abort / deferred-free sequences, against a reference model (driver and invariants:
+`benchmarks/lab/manager_fuzz.py`; `benchmarks/fuzz_manager.py` runs 10^5+ operations)."""
+from __future__ import annotations
+
+import pytest
+
+from lab.manager_fuzz import run
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_operation_sequences_keep_blocks_and_rows_consistent(seed):
+    stats = run(seed, num_ops=600)
+    assert stats.ops.get("deferred", 0) > 0 and stats.ops.get("preempt", 0) > 0
+    assert stats.refused > 0  # the pool really filled up
+    assert stats.reported_dead > 0
+    # Rows spilled to the host and came back: the worker's tiers were really exercised.
+    assert stats.worker_demotions > 0 and stats.worker_promotions > 0, stats
+
+
+def test_a_long_manager_only_run():
+    stats = run(7, num_ops=4000, worker=False)
+    assert stats.reported_dead > 0 and stats.refused > 0
