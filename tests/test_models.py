@@ -167,7 +167,7 @@ def test_dsa_configs_parse_in_vllm(tiny_model):
                          index_topk=c.index_topk, topk_method=c.topk_method,
                          scoring_func=c.scoring_func, cls=cls.__name__)
     emit(out)
-    """, args={"models": [str(tiny_model(n)) for n in DSA]}, timeout=300)
+    """, args={"models": [str(tiny_model(n)) for n in DSA]}, timeout=300, boots_engine=False)
     for n in DSA:
         r = res[str(tiny_model(n))]
         assert r["arch"] == FAMILIES[n].architecture
