@@ -88,9 +88,9 @@ def install_hooks(stats: SelectStats) -> None:
         stats.on_select(positions, topk, out)
         return out
 
-    def sparse_mla_attention(q, kv_rows, rows, scale, d_v):
+    def sparse_mla_attention(q, kv_rows, rows, scale, d_v, **staged):
         stats.on_attn(rows)
-        return orig_attn(q, kv_rows, rows, scale, d_v)
+        return orig_attn(q, kv_rows, rows, scale, d_v, **staged)
 
     cpu_indexer.select_topk = select_topk
     cpu_sparse_mla.sparse_mla_attention = sparse_mla_attention
