@@ -164,6 +164,23 @@ def test_sparse_mla_attention_equals_dense_over_selected(monkeypatch, chunk):
     out_sub, _ = sparse_math.sparse_mla_attention(q[sub], flat, rows[sub], scale, d_v)
     torch.testing.assert_close(out_sub, out[sub], rtol=0, atol=1e-6)
 
+    # Staged host rows: move a random half of the selected rows to a "host pool" (their device
+    # rows zeroed); reading them from there gives bit-identical results.
+    g = torch.Generator().manual_seed(2)
+    moved = torch.rand(flat.shape[0], generator=g) < 0.5  # per physical row: one tier each
+    host_slot = torch.randperm(flat.shape[0], generator=g)  # where a moved row lands
+    on_host = (rows >= 0) & moved[rows.clamp(min=0)]
+    assert on_host.any() and ((rows >= 0) & ~on_host).any()
+    host_kv = torch.randn(flat.shape[0], flat.shape[1], generator=g)  # junk where unused
+    host_rows = torch.where(on_host, host_slot[rows.clamp(min=0)], -1)
+    host_kv[host_rows[on_host]] = flat[rows[on_host]]
+    dev_flat = flat.clone()
+    dev_flat[rows[on_host]] = float("nan")  # never read: those rows live on the host now
+    dev_rows = torch.where(on_host, -1, rows)
+    out_h, lse_h = sparse_math.sparse_mla_attention(q, dev_flat, dev_rows, scale, d_v,
+                                                    host_rows=host_rows, host_kv_rows=host_kv)
+    assert torch.equal(out_h, out) and torch.equal(lse_h, lse)
+
 
 def _impl(num_heads=4, kv_lora_rank=D_LATENT):
     return CpuSparseMLAImpl(
