@@ -70,6 +70,12 @@ def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 ENGINE_MARKED: bool | None = None
 
 
+def require_engine_marker() -> None:
+    """Called by every helper that boots vLLM (scripts, servers)."""
+    if ENGINE_MARKED is False:
+        raise AssertionError("this test boots a vLLM engine: mark it @pytest.mark.engine")
+
+
 def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: float = 600,
                     env: dict[str, str] | None = None, boots_engine: bool = True) -> Any:
     """Run ``code`` (a script body; it may define functions) under ``__main__`` in a new
@@ -79,8 +85,8 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
     run as the main module: vLLM's spawned workers re-import the main module, and the
     guard keeps them from running the body again.
     """
-    if boots_engine and ENGINE_MARKED is False:
-        raise AssertionError("this test boots a vLLM engine: mark it @pytest.mark.engine")
+    if boots_engine:
+        require_engine_marker()
     body = textwrap.dedent(code)
     script = _PRELUDE + "\n\ndef _main():\n" + textwrap.indent(body, "    ") + \
         "\n\nif __name__ == '__main__':\n    _main()\n"

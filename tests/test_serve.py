@@ -38,6 +38,9 @@ def _metric(text: str, name: str) -> float:
 def serve(model, log: Path, extra_args: list[str], timeout: float = 300):
     """`scripts/serve.sh MODEL ulacache` on a free 127.0.0.1 port with the tight CPU budget of
     these tests; yields the base URL once healthy, kills the process group after."""
+    from _vllm_subprocess import require_engine_marker
+
+    require_engine_marker()
     port = _free_port()
     env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
                KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024")

@@ -396,6 +396,9 @@ def e2e(e2e_models):
     cache: dict[str, dict] = {}
 
     def get(name: str) -> dict:
+        from _vllm_subprocess import require_engine_marker
+
+        require_engine_marker()
         if name not in cache:
             cache[name] = _run_e2e(e2e_models[name], batch_checks=(name == "sparse"))
         return cache[name]
@@ -418,6 +421,7 @@ def _prompt_diffs(a, b, same_top=True):
     return per_pos, top
 
 
+@pytest.mark.engine
 def test_e2e_topk_covering_context_matches_dense_mla(e2e):
     full, dense = e2e("full"), e2e("dense")
     st = full["select"]
@@ -448,6 +452,7 @@ def test_e2e_topk_covering_context_matches_dense_mla(e2e):
     assert [[t for t, _ in g] for g in full["gen"]] == [[t for t, _ in g] for g in dense["gen"]]
 
 
+@pytest.mark.engine
 def test_e2e_small_topk_is_really_sparse(e2e):
     sparse, full = e2e("sparse"), e2e("full")
     st = sparse["select"]
@@ -473,6 +478,7 @@ def test_e2e_small_topk_is_really_sparse(e2e):
             assert max(p[32:]) > 1e-3
 
 
+@pytest.mark.engine
 def test_e2e_sparse_deterministic_and_batch_invariant(e2e):
     sparse = e2e("sparse")
     run1, run2 = sparse["batched"]
