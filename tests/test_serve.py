@@ -151,3 +151,70 @@ def test_engine_core_refusal_ends_serve_with_the_fix(tiny_model, tmp_path):
     assert err and "device pool too small" in err[-1] and "at least" in err[-1], lines[-20:]
     assert not any("Engine core initialization failed" in ln for ln in lines[-5:]), lines[-5:]
     assert set(glob.glob(pattern)) <= before, "an error file was left behind"
+
+
+def _stream(base, model, prompt, n, cut_after=None):
+    """A streaming greedy completion; with ``cut_after`` the client hangs up after that many
+    chunks (vLLM aborts the request on disconnect). Returns the text received."""
+    text = []
+    with requests.post(base + "/v1/completions", stream=True, timeout=300, json={
+            "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True}) as r:
+        r.raise_for_status()
+        for i, line in enumerate(r.iter_lines()):
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            text.append(__import__("json").loads(line[6:])["choices"][0]["text"])
+            if cut_after is not None and len(text) >= cut_after:
+                break  # leaving the block closes the connection mid-stream
+    return "".join(text)
+
+
+def _abort_in_prefill(base, model, prompt):
+    """Send a long prompt and hang up before the first token (a read timeout)."""
+    try:
+        requests.post(base + "/v1/completions", timeout=(5, 0.05), json={
+            "model": model, "prompt": prompt, "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True})
+    except requests.exceptions.ReadTimeout:
+        return True
+    return False
+
+
+def test_load_with_client_aborts_leaves_the_pools_clean(server):
+    """A bounded loopback load beyond the pools' capacity: concurrent streams, a third cut by
+    the client mid-stream, some aborted during prefill. Afterwards both pools are back to
+    zero, nothing but the cut requests failed, every uncut stream equals the same prompt's
+    greedy text served alone, and the server still answers."""
+    base, model, _ = server
+    words = "one two three four five six seven eight nine ten eleven twelve".split()
+    prompts = [" ".join(words[(i * 5 + j * (i + 2)) % len(words)] for j in range(60 + 25 * i))
+               for i in range(12)]
+    jobs = []
+    with cf.ThreadPoolExecutor(12) as ex:
+        for i, p in enumerate(prompts):
+            if i % 4 == 3:
+                jobs.append(("prefill", i, ex.submit(_abort_in_prefill, base, model, p)))
+            elif i % 3 == 1:
+                jobs.append(("cut", i, ex.submit(_stream, base, model, p, 48, 3)))
+            else:
+                jobs.append(("full", i, ex.submit(_stream, base, model, p, 48)))
+        results = [(kind, i, f.result()) for kind, i, f in jobs]  # raises if any failed
+    full = {i: t for kind, i, t in results if kind == "full"}
+    assert len(full) >= 5 and all(t for t in full.values())
+    assert any(kind == "prefill" and ok for kind, _, ok in results)
+    deadline = time.time() + 90
+    while True:
+        m = requests.get(base + "/metrics", timeout=10).text
+        used = (_metric(m, "vllm:ulacache_device_used"), _metric(m, "vllm:ulacache_host_used"),
+                _metric(m, "vllm:num_requests_running"), _metric(m, "vllm:num_requests_waiting"))
+        if used == (0, 0, 0, 0):
+            break
+        assert time.time() < deadline, f"pools/requests not back to zero: {used}"
+        time.sleep(1)
+    # The load did spill to the host and back (the pools really were under pressure).
+    assert _metric(m, "vllm:ulacache_demotions_total") > 0
+    for i, text in full.items():  # uncut streams: the greedy text the prompt gets alone
+        alone = _complete(base, model, prompts[i], 48)["choices"][0]["text"]
+        assert text == alone, i
+    assert _complete(base, model, "still serving?", 4)["usage"]["completion_tokens"] == 4

@@ -198,11 +198,10 @@ class UlaWorkerStore:
             return
         sel = torch.cat([s.reshape(-1) for s in g.selected])
         g.selected.clear()
-        sel = torch.unique(sel[sel >= 0])
-        if sel.numel() == 0:
-            return
         m = g.mapping
-        sel = sel[m.loc.index_select(0, sel) >= 0]  # freed since they were read
+        # Drop padding and entries freed since they were read; duplicates stay (the mapping
+        # dedups in O(n) itself).
+        sel = sel.masked_select((sel >= 0) & (m.loc.index_select(0, sel.clamp(min=0)) >= 0))
         n = sel.numel()
         while n:
             before_l, before_h = m.stats.lookups, m.stats.hits
