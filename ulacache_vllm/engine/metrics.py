@@ -52,7 +52,7 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "promotions": "Entries moved host -> device.",
             "demotions": "Entries moved device -> host (PB-LRU victims).",
             "bytes_moved": "Bytes copied between the device and host pools.",
-            "fallback_chunks": "Attention chunks used because a step's working set exceeded the device pool.",
+            "fallback_chunks": "Settles that promoted only part of a step's working set (it exceeded the device pool; the rest stays on the host and is staged when read).",
             "fast_path_exits": "Switches from identity placement (no translation) to mapped placement.",
         }
         self.counters = {
