@@ -1,13 +1,13 @@
-"""Torch reference implementations of the ulacache kernels (CPU path and test oracle).
+"""Torch reference implementations of the ulacache kernels (CPU path and test oracle), plus the
+table helpers the mapping uses on every device (``compact``, ``fill_at``, ``const``).
 
 The round-label kernels (``hit_index``, ``label_*``) run their compares and compactions through
 numpy views of CPU tensors (zero-copy): torch's CPU compares into bool are not vectorised
 (~0.5 ns an element, 6x numpy's on 115k int32; its ``nonzero`` 3-4x numpy's ``flatnonzero``).
 Other devices use the torch ops.
 
-Bit layout shared with the Triton kernels: a bitmap is an int64 tensor, slot ``s`` is bit
-``s & 63`` of word ``s >> 6``. Mapping-table values (internal, rank-less) are ``-1`` for
-unmapped, else ``tier << 32 | slot`` (tier 0 device, 1 host, 2 pending).
+Mapping-table values (internal, rank-less) are ``-1`` for unmapped, else ``tier << 32 | slot``
+(tier 0 device, 1 host).
 """
 
 from __future__ import annotations
@@ -22,94 +22,12 @@ SLOT_MASK = (1 << SLOT_BITS) - 1
 # Public packed location: tier << 48 | rank << 32 | slot (see core.mapping).
 PUB_TIER_SHIFT = 48
 PUB_RANK_SHIFT = 32
-TIER_PENDING = 2
 TIER_REMOTE = 3
-
-_M1 = 0x5555555555555555
-_M2 = 0x3333333333333333
-_M4 = 0x0F0F0F0F0F0F0F0F
-_H01 = 0x0101010101010101
-
-
-def _signed(x: int) -> int:
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-def popcount64(words: torch.Tensor) -> torch.Tensor:
-    """Per-word set-bit count (SWAR; torch has no int64 popcount)."""
-    x = words
-    # Logical shift emulation: arithmetic >> then mask off the sign-extended bits.
-    x = x - ((x >> 1) & _signed(_M1))
-    x = (x & _signed(_M2)) + ((x >> 2) & _signed(_M2))
-    x = (x + (x >> 4)) & _signed(_M4)
-    return (x * _signed(_H01)) >> 56 & 0xFF
-
-
-_LUT_CACHE: dict = {}
-
-
-def _bit_lut(device) -> torch.Tensor:
-    """[256, 8] bool: bits of each byte value, LSB first (int64 broadcast shifts are slow on CPU)."""
-    lut = _LUT_CACHE.get(device)
-    if lut is None:
-        lut = ((torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1).bool()
-        _LUT_CACHE[device] = lut
-    return lut
-
-
-def unpack_bits(words: torch.Tensor) -> torch.Tensor:
-    """int64 words [M] -> bool [M*64] (bit ``i*64 + b`` = bit b of word i; little-endian bytes)."""
-    w = words.contiguous()
-    if w.numel() and w.stride(-1) != 1:  # a 1-element strided view counts as contiguous
-        w = w.clone(memory_format=torch.contiguous_format)
-    return _bit_lut(words.device).index_select(0, w.view(torch.uint8).to(torch.int64)).reshape(-1)
-
-
-def expand_first_k(words: torch.Tensor, k: int) -> torch.Tensor:
-    """Positions ``i*64 + bit`` of the first ``k`` set bits of ``words`` (word order, then bit order).
-
-    Returns fewer than ``k`` positions when fewer bits are set.
-    """
-    if k <= 0 or words.numel() == 0:
-        return words.new_empty(0)
-    if words.numel() > 256:
-        # Only expand the words needed to reach k bits: O(k) on dense bitmaps.
-        cum = torch.cumsum(popcount64(words), 0)
-        need = int(torch.searchsorted(cum, torch.tensor([k], device=words.device)).item()) + 1
-        words = words[: min(need, words.numel())]
-    return unpack_bits(words).nonzero().squeeze(1)[:k]
-
-
-def slots_to_words(slots: torch.Tensor, num_words: int) -> torch.Tensor:
-    """Dense word mask with the bits of ``slots`` set. ``slots`` must be unique (sum == OR)."""
-    mask = torch.zeros(num_words, dtype=torch.int64, device=slots.device)
-    mask.index_add_(0, slots >> 6, torch.ones_like(slots) << (slots & 63))
-    return mask
-
-
-def queue_push(slots: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, start: int,
-               pos: torch.Tensor | None = None) -> None:
-    """PB-LRU touch: append unique ``slots`` to the queue at positions ``start, start+1, ...``.
-
-    ``qslot[start + i] = slots[i]`` and ``qpos[slots[i]] = start + i``: the new entries become
-    the slots' live entries, every older entry of those slots turns stale. ``pos`` may pass
-    those positions precomputed (a view of an arange), saving an op.
-    """
-    n = slots.numel()
-    if n:
-        if pos is None:
-            pos = torch.arange(start, start + n, dtype=qpos.dtype, device=slots.device)
-        elif pos.dtype != qpos.dtype:
-            pos = pos.to(qpos.dtype)
-        qslot[start:start + n] = slots  # casts int64 slots into PB-LRU's int32 queue
-        # scatter_ with a tensor source: ~2.5x faster than index_copy_ / index_fill_ on CPU
-        # at 10^4 indices (same semantics for unique indices).
-        qpos.scatter_(0, slots, pos)
 
 
 def split_hits(loc_vals: torch.Tensor):
     """``(hit_mask, hit_slots)`` of internal table values: device entries (tier 0) are hits,
-    their value is the slot; host, pending and unmapped (-1 >> 32 == -1) entries are not."""
+    their value is the slot; host and unmapped (-1 >> 32 == -1) entries are not."""
     hit = (loc_vals >> SLOT_BITS) == 0
     return hit, compact(loc_vals, hit)
 
@@ -146,21 +64,6 @@ def compact(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return out[1:]
 
 
-def hit_touch_push(loc_vals: torch.Tensor, qslot: torch.Tensor, qpos: torch.Tensor, start: int,
-                   iota: torch.Tensor):
-    """PB-LRU hit detection + touch: the hits among internal table values of unique entries
-    are appended to the queue at ``start, start+1, ...`` in input order (``queue_push``).
-
-    ``iota`` is a cached ``arange`` at least as long as the queue. Returns
-    ``(hit_mask, hit_slots)``.
-    """
-    hit, hs = split_hits(loc_vals)
-    n = hs.numel()
-    if n:
-        queue_push(hs, qslot, qpos, start, iota[start:start + n])
-    return hit, hs
-
-
 def fill_at(t: torch.Tensor, idx: torch.Tensor, value: int) -> None:
     """``t[idx] = value`` for unique ``idx``. From ~1k indices on, scatter_ from a tensor of
     ``value`` (a cached constant buffer) beats index_fill_ by ~2x on CPU; below that
@@ -190,40 +93,12 @@ def const(value: int, n: int, device, dtype: torch.dtype = torch.int64) -> torch
 _FILL_SCATTER_MIN = 1024
 
 
-def queue_take(wslots: torch.Tensor, wpos: torch.Tensor, qpos: torch.Tensor, k: int):
-    """Stale filter + first ``k`` over a queue window.
-
-    ``wslots`` are the window's slots, ``wpos`` their queue positions; an entry is live iff
-    ``qpos[slot] == position``. Returns ``(live_slots, used, n_live)``: the first
-    ``min(k, n_live)`` live slots in window order; ``used``, a count of leading window entries
-    that are all stale or returned (a safe head advance: the whole window when it holds at
-    most ``k`` live entries, else through the ``k``-th live one -- or 0 on CPU when the window
-    is small, where rescanning is cheaper than locating it); ``n_live`` the window's live count.
-    """
-    m = wslots.numel()
-    if k <= 0 or m == 0:
-        return wslots.new_empty(0), 0, 0
-    valid = qpos.index_select(0, wslots) == wpos
-    live = compact(wslots, valid)
-    g = live.numel()
-    if g <= k:
-        return live, m, g
-    if m <= _EXACT_USED_MIN:
-        return live[:k], 0, g
-    # The k-th live entry's position is its slot's qpos: O(1), no second pass over the mask.
-    kth = int(qpos.index_select(0, live[k - 1:k])) - int(wpos[0])
-    return live[:k], kth + 1, g
-
-
-_EXACT_USED_MIN = 2048
-
-
 def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
               pub_rank: int | None = None) -> torch.Tensor:
     """Logical address -> public packed location (``tier<<48 | rank<<32 | slot``), -1 for padding.
 
-    Addresses owned by another rank (``a % world != rank``) give tier REMOTE with the owner rank.
-    Pending (in-flight) entries give tier PENDING with slot 0. ``pub_rank`` (default ``rank``)
+    Addresses owned by another rank (``a % world != rank``) give tier REMOTE with the owner rank
+    and slot 0. ``pub_rank`` (default ``rank``)
     is the rank written into local locations (DP ranks own everything but keep their id).
     """
     pub_rank = rank if pub_rank is None else pub_rank
@@ -244,7 +119,7 @@ def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
 # ---------------------------------------------------------------- round labels (PB-LRU)
 def hit_index(loc_vals: torch.Tensor, num_slots: int):
     """``(hit_mask, touch_index)`` over internal table values: hits are device entries (a
-    value below ``num_slots``; -1 unmapped, host and pending tiers are misses), and each entry
+    value below ``num_slots``; -1 unmapped and host entries are misses), and each entry
     touches its slot if a hit, else the dummy index ``num_slots``. No compaction: the caller
     scatters over a table of ``num_slots + 1`` entries."""
     if loc_vals.device.type == "cpu":

@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from ulacache_vllm import kernels as K
-
 from ulacache_vllm.core.policy import EvictionPolicy
 from ulacache_vllm.core.pools import CapacityError
+
+from . import queue_kernels
 
 # The queue, its positions and ``qpos`` are int32: ring indices are below ``cap`` (< 2^31), and
 # half-width entries halve the bytes the stale filter and the touches move (the filter's
@@ -96,7 +97,7 @@ class QueuePBLRU(EvictionPolicy):
         # taken first by the next selection, after a stale filter (re-touched or released ones
         # drop out), instead of rescanning their window.
         self._stash = None
-        self._k = K.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
+        self._k = queue_kernels.impl(self.qpos)  # Triton on CUDA, the torch reference on CPU
 
     victim_path = "queue"  # (a small pool gets the scan instead: policies.make_policy)
 

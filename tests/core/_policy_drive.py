@@ -43,3 +43,14 @@ def hit_some(policies, tracked, g, n=10):
         assert torch.equal(h, masks[0])
     assert masks[0].tolist() == [True] * (vals.numel() - 2) + [False, False]
     return masks[0]
+
+
+def on_both_paths(monkeypatch, make, triton_mod, ref_mod):
+    """The same policy built twice: on the Triton kernels (interpreted) and on the reference;
+    asserts which kernel module (``_k``) each got."""
+    pols = []
+    for force in ("1", "0"):
+        monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
+        pols.append(make())
+    assert pols[0]._k is triton_mod and pols[1]._k is ref_mod
+    return pols

@@ -1,5 +1,5 @@
-"""Failure paths of the mapping: errors change nothing, copies in flight are never overtaken,
-a failed copy can be resumed, plans apply in order."""
+"""Failure paths of the mapping: errors change nothing, one move plan at a time (copied, then
+committed), a failed copy drops the plan's entries and nothing else."""
 
 import pytest
 import torch
@@ -7,8 +7,7 @@ import torch
 from lab.policies import NAMES as POLICIES
 from lab.policies import factory
 from lab.row_store import RowStore
-from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent,
-                                TieredMapping, unpack)
+from ulacache_vllm.core import DEVICE, HOST, CapacityError, TieredMapping, unpack
 
 
 def _filled(lru, n_dev, n_host, n_entries, store=None):
@@ -81,117 +80,83 @@ def test_unknown_address_does_not_mark_hits_used():
     assert m.stats.demotions > 0
 
 
-class _DeferredCopies:
-    """An asynchronous copy engine: copies run when their event is synchronised / set."""
-
-    def __init__(self, store):
-        self.store, self.queue = store, []
-
-    def copy_fn(self, *args):
-        ev = _Deferred(self, args)
-        self.queue.append(ev)
-        return ev
-
-
-class _Deferred(ManualEvent):
-    def __init__(self, owner, args):
-        super().__init__()
-        self.owner, self.args = owner, args
-
-    def synchronize(self):
-        self.set()
-
-    def set(self):
-        if not self._done:
-            for ev in list(self.owner.queue):  # one stream: earlier copies first
-                self.owner.queue.remove(ev)
-                ev._done = True
-                self.owner.store.copy_fn(*ev.args)
-                if ev is self:
-                    break
-
-
 @pytest.mark.parametrize("lru", list(POLICIES))
-def test_freed_slot_is_not_reused_while_its_copy_is_in_flight(lru):
-    m, store = _filled(lru, 4, 8, 8)
-    dc = _DeferredCopies(store)
+def test_one_plan_at_a_time_and_copy_before_commit(lru):
+    """A non-empty plan must be applied before the mapping changes again; until then the
+    committed table shows the plan's entries where their rows still are, and it is updated
+    only after every copy."""
+    m, store = _filled(lru, 4, 8, 8)  # 4-7 on the device, 0-3 on the host
+    before = m.resolve(torch.arange(8))
     _, plan = m.ensure_resident(torch.tensor([0]))  # promote 0, demote the oldest of 4-7
-    plan.apply(dc.copy_fn)
-    assert dc.queue and not plan.fence.completed
-    t, _, _ = unpack(m.resolve(torch.tensor([0])))
-    assert t.tolist() == [PENDING]
-    m.free(torch.tensor([0]))  # waits for the copies (they may still write 0's slot)
-    assert plan.fence.completed and not dc.queue
-    slots, plan2 = m.assign(torch.tensor([9]))
-    plan2.apply(store.copy_fn)
-    store.write(DEVICE, slots, torch.tensor([109]))
-    assert _values(m, store, [1, 2, 3, 4, 5, 6, 7, 9]) == [101, 102, 103, 104, 105, 106, 107, 109]
+    assert not plan.empty and plan.state == "planned"
+    for call in (lambda: m.assign(torch.tensor([9])), lambda: m.ensure_resident(torch.tensor([1])),
+                 lambda: m.free(torch.tensor([0])), lambda: m.adopt([9], [0])):
+        with pytest.raises(RuntimeError, match="outstanding"):
+            call()
+    assert torch.equal(m.resolve(torch.arange(8)), before)
+    assert _values(m, store, list(range(8))) == [100 + a for a in range(8)]
+    seen = []
 
-
-def test_hit_on_a_row_in_flight_waits_for_its_copy():
-    m, store = _filled("pblru", 4, 8, 8)
-    dc = _DeferredCopies(store)
-    _, plan = m.ensure_resident(torch.tensor([0]))
-    plan.apply(dc.copy_fn)
-    m.advance_round()
-    slots, plan2 = m.ensure_resident(torch.tensor([0]))  # a hit: slot returned ...
-    assert plan2.empty and plan.fence.completed  # ... only once the row is there
-    assert store.bufs[DEVICE][slots, 0].tolist() == [100]
-
-
-def test_fence_waits_for_every_copy_event():
-    m, store = _filled("exact_ts", 4, 8, 8)
-    events = []
-
-    def async_copy(*a):
+    def copy(*a):
+        seen.append(torch.equal(m.resolve(torch.arange(8)), before))  # not committed yet
         store.copy_fn(*a)
-        events.append(ManualEvent())
-        return events[-1]
 
-    _, plan = m.ensure_resident(torch.tensor([0, 1]))
-    plan.apply(async_copy)
-    assert len(events) == 2  # demotions and promotions
-    events[-1].set()
-    m.poll()
-    assert not plan.fence.completed, "committed while the demotion copy was still running"
-    events[0].set()
-    m.poll()
-    assert plan.fence.completed
+    m.advance_round()  # the policy alone: allowed
+    assert plan.apply(copy) is plan and plan.state == "committed"
+    assert seen == [True, True]  # the demotion, then the promotion
+    assert torch.equal(m.loc, m.visible)
+    assert _values(m, store, list(range(8))) == [100 + a for a in range(8)]
+    assert plan.apply(copy) is plan and len(seen) == 2  # applied once only
+    t, _, _ = unpack(m.resolve(torch.tensor([0])))
+    assert t.tolist() == [DEVICE]
+    m.free(torch.tensor([0]))
 
 
 @pytest.mark.parametrize("lru", list(POLICIES))
-def test_apply_resumes_after_a_failed_copy(lru):
+@pytest.mark.parametrize("fail_at", [1, 2, 3])
+def test_failed_copy_drops_the_plans_entries(lru, fail_at):
+    """A copy_fn that raises: the plan's entries (promoted and demoted) are dropped -- their
+    rows may be half moved -- and nothing else changes; the mapping works on."""
     m, store = _filled(lru, 4, 4, 8)  # host full: promotions swap through staging
-    _, plan = m.ensure_resident(torch.arange(4))
-    assert plan.num_staged == 4
+    _, plan = m.ensure_resident(torch.tensor([0, 1]))
+    assert plan.num_staged == 2
+    moved = set(plan._entries.tolist())
     calls = []
 
     def flaky(*a):
         calls.append(a[0])
-        if len(calls) == 3:
+        if len(calls) == fail_at:
             raise RuntimeError("copy failed")
         store.copy_fn(*a)
 
     with pytest.raises(RuntimeError, match="copy failed"):
         plan.apply(flaky)
-    assert plan.state == "planned"
-    with pytest.raises(RuntimeError, match="never applied"):
+    assert plan.state == "dropped" and m.stats.lost == len(moved) == 4
+    assert plan.apply(store.copy_fn) is plan and plan.state == "dropped"
+    t, _, _ = unpack(m.resolve(torch.arange(8)))
+    kept = [a for a in range(8) if a not in moved]
+    assert all(t[a] == -1 for a in moved) and all(t[a] in (DEVICE, HOST) for a in kept)
+    assert torch.equal(m.loc, m.visible)
+    assert _values(m, store, kept) == [100 + a for a in kept]
+    assert m.dev.num_used + m.host.num_used == len(kept)
+    assert set(m.dev.owner[m.dev.owner >= 0].tolist()) | set(m.host.owner[m.host.owner >= 0].tolist()) == set(kept)
+    with pytest.raises(KeyError):
         m.ensure_resident(torch.tensor([0]))
-    plan.apply(store.copy_fn)  # resumes at the failed copy: earlier ones are not re-run
-    assert plan.fence.completed
-    assert _values(m, store, list(range(8))) == [100 + a for a in range(8)]
-
-
-def test_plans_apply_in_creation_order():
-    m, store = _filled("pblru", 4, 8, 8)
-    _, p1 = m.ensure_resident(torch.tensor([0]))
     m.advance_round()
-    _, p2 = m.ensure_resident(torch.tensor([1]))
-    with pytest.raises(RuntimeError, match="creation order"):
-        p2.apply(store.copy_fn)
-    p1.apply(store.copy_fn)
-    p2.apply(store.copy_fn)
-    assert _values(m, store, list(range(8))) == [100 + a for a in range(8)]
+    slots, plan2 = m.assign(torch.tensor([0, 9]))
+    plan2.apply(store.copy_fn)
+    store.write(DEVICE, slots, torch.tensor([100, 109]))
+    assert _values(m, store, kept + [0, 9]) == [100 + a for a in kept] + [100, 109]
+
+
+def test_apply_refuses_another_mappings_plan():
+    m1, store = _filled("pblru", 4, 8, 8)
+    m2, _ = _filled("pblru", 4, 8, 8)
+    _, plan = m1.ensure_resident(torch.tensor([0]))
+    with pytest.raises(ValueError, match="another mapping"):
+        m2.apply(plan, store.copy_fn)
+    m1.apply(plan, store.copy_fn)
+    assert _values(m1, store, list(range(8))) == [100 + a for a in range(8)]
 
 
 def test_tp_rank_that_owns_nothing():
@@ -214,46 +179,10 @@ def test_slots_keep_the_input_shape():
     assert torch.equal(slots, slots2) and m.resolve(a).shape == (2, 3)
 
 
-@pytest.mark.parametrize("lru", list(POLICIES))
-def test_reassign_waits_for_a_promotion_into_its_slot(lru):
-    """Re-assigning an entry whose promotion is in flight gives its slot back only after the
-    copy: otherwise the new rows written there would be overwritten by the old promoted row."""
-    m, store = _filled(lru, 4, 8, 8)
-    dc = _DeferredCopies(store)
-    _, plan = m.ensure_resident(torch.tensor([0]))  # promote 0 (copy queued, not run)
-    plan.apply(dc.copy_fn)
-    m.advance_round()
-    assert dc.queue and not plan.fence.completed
-    slots, plan2 = m.assign(torch.tensor([9, 0]))  # a new entry + re-assignment of 0
-    assert plan.fence.completed and not dc.queue
-    plan2.apply(store.copy_fn)
-    store.write(DEVICE, slots, torch.tensor([109, 999]))
-    assert _values(m, store, [0, 9]) == [999, 109]
-    live = [a for a in range(1, 8) if int(m.loc[a]) >= 0]
-    assert _values(m, store, live) == [100 + a for a in live]
-
-
-@pytest.mark.parametrize("lru", list(POLICIES))
-def test_reassign_waits_for_the_demotion_out_of_its_slot(lru):
-    """Entry 9 took the slot of a victim whose demotion copy (device -> host) is in flight:
-    re-assigning 9 must not let its new row land before the copy has read the victim's."""
-    m, store = _filled(lru, 4, 8, 4)
-    dc = _DeferredCopies(store)
-    slots, plan = m.assign(torch.tensor([9]))  # demotes the oldest entry
-    plan.apply(dc.copy_fn)
-    m.advance_round()
-    assert dc.queue
-    slots, plan2 = m.assign(torch.tensor([9]))
-    assert plan.fence.completed and not dc.queue
-    plan2.apply(store.copy_fn)
-    store.write(DEVICE, slots, torch.tensor([202]))
-    assert _values(m, store, [0, 1, 2, 3, 9]) == [100, 101, 102, 103, 202]
-
-
 def test_reassign_refuses_entries_of_an_unapplied_plan():
     m, store = _filled("pblru", 4, 8, 8)
     _, plan = m.ensure_resident(torch.tensor([0]))
-    with pytest.raises(RuntimeError, match="never applied"):
+    with pytest.raises(RuntimeError, match="outstanding"):
         m.assign(torch.tensor([0]))
     plan.apply(store.copy_fn)
     m.assign(torch.tensor([0]))

@@ -8,8 +8,7 @@ from hypothesis import strategies as st
 from lab import pblru_queue as pblru_mod
 from lab.policies import factory
 from lab.row_store import RowStore
-from ulacache_vllm.core import (DEVICE, HOST, PENDING, CapacityError, ManualEvent,
-                                TieredMapping, unpack)
+from ulacache_vllm.core import DEVICE, HOST, CapacityError, TieredMapping, unpack
 from ulacache_vllm.core import pblru as labels_mod
 
 POLICIES = ["pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"]
@@ -26,21 +25,19 @@ op = st.one_of(
 def check_invariants(m: TieredMapping, store: RowStore, live: dict):
     addrs = torch.tensor(sorted(live), dtype=torch.int64)
     S_dev, S_host = m.dev.num_slots, m.host.num_slots
-    # Pools: owner tables, free stacks and the derived free bitmaps agree with the counts.
+    # Pools: owner tables and free stacks agree with the counts and with each other.
     for pool in (m.dev, m.host):
         owned = (pool.owner >= 0).sum().item()
         assert owned == pool.num_used
         stack = pool.stack[:pool.num_free]
         assert stack.unique().numel() == pool.num_free, "slot twice on the free stack"
         assert (pool.owner.index_select(0, stack) < 0).all(), "owned slot on the free stack"
-        assert pool.free_bits.count() == pool.num_free
-        free_mask = _bits(pool.free_bits.words[0], pool.num_slots)
-        assert not (free_mask & (pool.owner >= 0)).any(), "slot both free and owned"
     assert m.dev.num_used + m.host.num_used == len(live)
+    assert torch.equal(m.loc, m.visible), "no plan outstanding: the tables agree"
     if not live:
         return
     t, r, s = unpack(m.resolve(addrs))
-    assert set(t.tolist()) <= {DEVICE, HOST}, "a live entry is missing or still pending"
+    assert set(t.tolist()) <= {DEVICE, HOST}, "a live entry is missing"
     key = t * (1 << 40) + s
     assert key.unique().numel() == len(live), "two live entries share a slot"
     dev, host = t == DEVICE, t == HOST
@@ -54,11 +51,6 @@ def check_invariants(m: TieredMapping, store: RowStore, live: dict):
     if m.policy.name.startswith("pblru"):
         b = m.policy.bucket_of()
         assert ((b >= 0) == (m.dev.owner >= 0)).all(), "occupied slot outside the buckets"
-
-
-def _bits(words, n):
-    sh = torch.arange(64)
-    return (((words[:, None] >> sh) & 1).reshape(-1)[:n]).bool()
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -174,8 +166,9 @@ def _dev_slots_of(m, addrs):
 
 @settings(max_examples=25, deadline=None)
 @given(lru=st.sampled_from(POLICIES), n_dev=st.integers(2, 16), seed=st.integers(0, 10**6))
-def test_resolve_respects_fences(lru, n_dev, seed):
-    """Before a plan's copy completes, resolve never shows the new location; after, it does."""
+def test_resolve_commits_after_the_copies(lru, n_dev, seed):
+    """Until a plan's copies are done, resolve shows the old locations (whose rows are still
+    there); after ``apply``, the new ones."""
     g = torch.Generator().manual_seed(seed)
     n = 3 * n_dev
     m = TieredMapping(n, n_dev, n, lru=factory(lru))
@@ -187,28 +180,21 @@ def test_resolve_respects_fences(lru, n_dev, seed):
         m.advance_round()
     sel = torch.randperm(n, generator=g)[: n_dev]
     before = m.resolve(sel)
-    events = []
+    seen = []
 
-    def async_copy(*args):
+    def copy(*args):
+        seen.append(torch.equal(m.resolve(sel), before))
         store.copy_fn(*args)
-        ev = ManualEvent()
-        events.append(ev)
-        return ev
 
     slots, plan = m.ensure_resident(sel)
-    moved = torch.cat([plan.promote_dst_device, plan.demote_src_device]).numel() > 0
-    plan.apply(async_copy)
-    mid = m.resolve(sel)
-    t_mid, _, s_mid = unpack(mid)
-    promoted = unpack(before)[0] == HOST
-    if moved:
-        assert not plan.fence.completed
-        assert (t_mid[promoted] == PENDING).all(), "resolve exposed an unfinished copy"
-        assert (s_mid[promoted] == -1).all()
-    for ev in events:
-        ev.set()
+    assert torch.equal(m.resolve(sel), before)
+    t0, _, s0 = unpack(before)
+    old = torch.where(t0 == DEVICE, store.bufs[DEVICE][s0.clamp(0, n_dev - 1), 0],
+                      store.bufs[HOST][s0.clamp(0, n - 1), 0])
+    assert torch.equal(old, sel), "the old locations' rows must still be there"
+    plan.apply(copy)
+    assert all(seen) and (len(seen) > 0) == (not plan.empty)
     t, _, s = unpack(m.resolve(sel))
-    assert plan.fence.completed
     assert (t == DEVICE).all() and torch.equal(s, slots)
     assert torch.equal(store.bufs[DEVICE][s, 0], sel)
 

@@ -2,17 +2,16 @@
 
 from .address_space import LogicalAddressSpace
 from .exact_lru import TimestampLRU
-from .fence import Fence, ManualEvent
-from .mapping import (DEVICE, HOST, PENDING, REMOTE, STAGING, MappingStats, MovePlan,
-                      TieredMapping, unpack)
+from .fence import Fence, ManualEvent  # (the remote-row buffer's)
+from .mapping import DEVICE, HOST, REMOTE, STAGING, MappingStats, MovePlan, TieredMapping, unpack
 from .pblru import PBLRU
 from .placement import Placement
 from .pools import CapacityError, SlotPool
-from .remote_buffer import FetchPlan, RemoteBufferStats, RemoteRowBuffer
+from .remote_buffer import RemoteBufferStats, RemoteRowBuffer
 
 __all__ = [
     "LogicalAddressSpace", "TimestampLRU", "Fence", "ManualEvent", "DEVICE", "HOST",
-    "PENDING", "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
+    "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
     "PBLRU", "Placement", "CapacityError", "SlotPool",
-    "FetchPlan", "RemoteBufferStats", "RemoteRowBuffer",
+    "RemoteBufferStats", "RemoteRowBuffer",
 ]

@@ -4,20 +4,18 @@ Exclusive residency: a live entry is in exactly one of the device pool or the ho
 shared device pool serves every request (no quota); an eviction policy (PB-LRU or an exact LRU)
 picks device victims, which are demoted to the host.
 
-Two tables: ``loc`` is the bookkeeping location (updated when a move is planned) and
-``visible`` is what ``resolve`` returns. An entry being moved reads as PENDING in ``visible``
-until its plan is committed, and a plan commits only after its copy is done -- the ordering
-rule *copy data -> update mapping -> signal*. Plans must be applied in creation order
-(``apply`` refuses otherwise); commits happen in that order too, and a plan's fence waits for
-the events of all its copies. The copies themselves must run in issue order (one in-order
-stream, as in the engine): host slots a plan's promotions vacate may be the demotion targets
-of the next plan. A slot is never handed to another entry while a copy in flight
-may still write it: ``free`` of, and hits on, entries with copies in flight wait for them.
+Moves are synchronous. ``assign`` and ``ensure_resident`` update the bookkeeping (``loc``,
+pools, policy, stats) and return a ``MovePlan``; ``apply(plan, copy_fn)`` copies the rows, then
+commits the plan's entries to ``visible``, the table readers use (copy data, then update the
+mapping). A non-empty plan must be applied before the next ``assign``, ``adopt``,
+``ensure_resident`` or ``free`` (they refuse otherwise); until then ``visible`` shows the
+plan's entries where their rows still are. With no plan outstanding, ``visible`` equals ``loc``.
 
 Failures: ``CapacityError`` (the round's working set exceeds the device pool, or the host
 pool is full) and ``KeyError`` (unknown addresses) leave tables, pools and stats unchanged.
-A ``copy_fn`` that raises leaves its plan applied up to that copy; ``apply`` it again to
-resume (the entries read PENDING meanwhile, and calls that need them refuse).
+A ``copy_fn`` that raises may have overwritten some of the plan's rows without writing their
+new places: ``apply`` then drops the plan's entries (unmapped in both tables, their slots back
+in the pools, counted in ``stats.lost``) and re-raises; other entries are untouched.
 
 Internal table values: -1 unmapped, else ``tier << 32 | slot``. Public packed locations
 (``resolve``): ``tier << 48 | rank << 32 | slot``, -1 for padding/unmapped; see ``unpack``.
@@ -26,25 +24,25 @@ Internal table values: -1 unmapped, else ``tier << 32 | slot``. Public packed lo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 import torch
 
 from ulacache_vllm import kernels as K
 from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 
-from .fence import Fence
+from .addresses import UniqueAddresses, as_addresses
 from .placement import Placement
-from .plan_queue import AllEvents as _AllEvents
-from .plan_queue import PlanQueue, UniqueAddresses, as_addresses
 from .policies import POLICIES, PolicyFactory, make_policy  # noqa: F401  (re-exported)
 from .policy import EvictionPolicy
 from .pools import CapacityError, SlotPool
 
-DEVICE, HOST, PENDING, REMOTE = 0, 1, 2, 3
+DEVICE, HOST, REMOTE = 0, 1, 3  # (the kernels pack REMOTE as 3; tier 2 is unused)
 STAGING = 4  # copy_fn tier: engine-provided scratch rows, indices 0..plan.num_staged-1
 
+# copy_fn(src_tier, src_slots, dst_tier, dst_slots): rows of every layer of the group; the copy
+# is complete, or ordered before every later read (one in-order stream), when it returns.
 CopyFn = Callable[[int, torch.Tensor, int, torch.Tensor], object]
 
 
@@ -53,7 +51,7 @@ def unpack(packed: torch.Tensor):
     neg = packed < 0
     tier = torch.where(neg, -1, packed >> 48)
     rank = torch.where(neg, -1, (packed >> 32) & 0xFFFF)
-    slot = torch.where(neg | (tier >= PENDING), -1, packed & SLOT_MASK)
+    slot = torch.where(neg | (tier >= REMOTE), -1, packed & SLOT_MASK)
     return tier, rank, slot
 
 
@@ -66,7 +64,8 @@ class MappingStats:
     staged: int = 0         # promotions routed through staging (host full)
     assigned: int = 0
     freed: int = 0
-    plans: int = 0
+    lost: int = 0           # entries dropped because a copy_fn raised
+    plans: int = 0          # non-empty move plans made
     policy_time_s: float = 0.0  # only accumulated with profile=True
     policy_time_by: dict = field(default_factory=dict)  # the same, per policy method
 
@@ -77,13 +76,12 @@ class MappingStats:
 
 @dataclass
 class MovePlan:
-    """Rows to move, in int64 tensors; apply with ``plan.apply(copy_fn)``.
+    """Rows to move, in int64 tensors; ``state``: "planned" -> "committed" (or "dropped").
 
-    Ordering inside ``apply`` (exclusive residency with a full host may make a demotion target
+    Copy order in ``apply`` (exclusive residency with a full host may make a demotion target
     a host slot that a promotion of the same plan reads): (1) the first ``num_staged``
-    promotions copy HOST->STAGING, (2) all demotions DEVICE->HOST, (3) the other promotions
-    HOST->DEVICE, (4) STAGING->DEVICE for the staged ones. Then the mapping commits and the
-    fence is signalled.
+    promotions HOST->STAGING, (2) all demotions DEVICE->HOST, (3) the other promotions
+    HOST->DEVICE, (4) STAGING->DEVICE for the staged ones. Then the mapping commits.
     """
 
     demote_src_device: torch.Tensor
@@ -91,21 +89,16 @@ class MovePlan:
     promote_src_host: torch.Tensor
     promote_dst_device: torch.Tensor
     num_staged: int = 0
-    fence: Fence = field(default_factory=Fence)
-    plan_id: int = 0
-    _entries: Optional[torch.Tensor] = None
-    _new_vals: Optional[torch.Tensor] = None
-    _mapping: Optional["TieredMapping"] = None
-    _epoch: int = 0  # the mapping's mutation count right after this plan was made
-    _copies_done: int = 0  # apply() progress, so that a failed copy_fn can be resumed
-    _events: list = field(default_factory=list)
-    state: str = "planned"  # planned -> copied -> committed
+    state: str = "planned"
+    _entries: torch.Tensor | None = None   # the entries the plan moves ...
+    _new_vals: torch.Tensor | None = None  # ... and their table values once committed
+    _mapping: TieredMapping | None = None
 
     @property
     def empty(self) -> bool:
         return self._entries is None or self._entries.numel() == 0
 
-    def apply(self, copy_fn: CopyFn) -> "MovePlan":
+    def apply(self, copy_fn: CopyFn) -> MovePlan:
         return self._mapping.apply(self, copy_fn)
 
 
@@ -141,7 +134,7 @@ class _TimedPolicy(EvictionPolicy):
         return self._t(self.inner.advance_round)
 
 
-class TieredMapping(PlanQueue):
+class TieredMapping:
     def __init__(self, num_logical: int, device_slots: int, host_slots: int, *,
                  device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
                  placement: str = "dp", lru: str | PolicyFactory = "pblru", ring_size: int = 8,
@@ -153,8 +146,8 @@ class TieredMapping(PlanQueue):
         self.num_logical = num_logical
         # At least one row: a TP rank may own no address, and lookups gather a clamped index.
         n = max(1, self.placement.num_local(num_logical))
-        self.loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)
-        self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)
+        self.loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)      # planned
+        self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)  # committed
         self._unique = UniqueAddresses(n, self.device)
         self.dev = SlotPool(device_slots, self.device)
         self.host = SlotPool(host_slots, self.device)
@@ -163,8 +156,7 @@ class TieredMapping(PlanQueue):
         policy = (lru(device_slots, self.device, ring_size) if callable(lru)
                   else make_policy(lru, device_slots, self.device, ring_size))
         self.policy = _TimedPolicy(policy, self.stats) if profile else policy
-        self._init_plans(n, self.device)  # plans in flight (PlanQueue)
-        self._epoch = 0  # bumped by every free, adoption and new plan (see _commit)
+        self._outstanding: MovePlan | None = None  # the non-empty plan not applied yet
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ helpers
@@ -177,6 +169,8 @@ class TieredMapping(PlanQueue):
         return self.host.num_used
 
     def _addrs(self, addrs, what: str, ignore_out_of_range: bool = False):
+        if self._outstanding is not None:
+            raise RuntimeError(f"{what}: a move plan is outstanding; apply it first")
         return as_addresses(addrs, self.device, self.num_logical, what, ignore_out_of_range)
 
     def _local_unique(self, addrs: torch.Tensor):
@@ -200,29 +194,20 @@ class TieredMapping(PlanQueue):
         self.policy.release(dev_slots)
         self.dev.release(dev_slots)
         self.host.release(host_slots)
-        self._epoch += 1
         K.reference.fill_at(self.loc, u, -1)
         K.reference.fill_at(self.visible, u, -1)
-        K.reference.fill_at(self._last_plan, u, 0)
         return dev_slots.numel() + host_slots.numel()
 
-    def _new_plan(self, dsrc, ddst, psrc, pdst, staged, entries, new_vals):
-        plan = MovePlan(dsrc, ddst, psrc, pdst, staged, plan_id=self._next_plan,
-                        _entries=entries, _new_vals=new_vals, _mapping=self)
-        self._next_plan += 1
-        K.reference.fill_at(self.visible, entries, PENDING << SLOT_BITS)
-        self._last_plan.index_fill_(0, entries, plan.plan_id)
-        self._epoch += 1
-        plan._epoch = self._epoch
-        self._pending.append(plan)
+    def _new_plan(self, dsrc, ddst, psrc, pdst, staged, entries, new_vals) -> MovePlan:
+        plan = MovePlan(dsrc, ddst, psrc, pdst, staged, _entries=entries, _new_vals=new_vals,
+                        _mapping=self)
+        self._outstanding = plan
         self.stats.plans += 1
         return plan
 
     def _empty_plan(self) -> MovePlan:
         e = self._empty
-        plan = MovePlan(e, e, e, e, 0, _entries=e, _new_vals=e, _mapping=self, state="committed")
-        plan.fence.signal()
-        return plan
+        return MovePlan(e, e, e, e, 0, state="committed", _entries=e, _new_vals=e, _mapping=self)
 
     def _check_host_room(self, k: int, spare: int) -> None:
         """``k`` demotions need host slots: free ones plus ``spare`` this call vacates."""
@@ -266,14 +251,10 @@ class TieredMapping(PlanQueue):
         ``ensure_resident``, the call's re-assigned entries that were on the device stay marked
         as used in this round (they were written in it), so they are not this round's victims.
         """
-        self.poll()
         addrs, shape = self._addrs(addrs, "assign")
         is_local, idx, u = self._local_unique(addrs)
         if u.numel() == 0:
             return self._slots_out(is_local, idx, shape), self._empty_plan()
-        if self._pending:
-            # Re-assigned entries give their slots back: never while a copy may still use them.
-            self._wait_for(u)
         n = u.numel()
         victims = None
         if n > self.dev.num_free:
@@ -309,7 +290,7 @@ class TieredMapping(PlanQueue):
         self.loc.scatter_(0, late, victims)
         self.policy.touch(torch.cat([free_slots, victims]))
         e = self._empty
-        # New entries on victim slots stay PENDING until the demotion has copied the old rows.
+        # New entries on victim slots become visible once the demotion has copied the old rows.
         plan = self._new_plan(victims, hdst, e, e, 0, torch.cat([ventries, late]),
                               torch.cat([(HOST << SLOT_BITS) | hdst, victims]))
         return self._slots_out(is_local, idx, shape), plan
@@ -317,7 +298,6 @@ class TieredMapping(PlanQueue):
     def adopt(self, addrs: torch.Tensor, device_slots: torch.Tensor) -> None:
         """Register unmapped, unique local entries as already resident at the given free
         device slots (their rows were written there by an identity-placement fast path)."""
-        self.poll()
         addrs, _ = self._addrs(addrs, "adopt")
         slots = torch.as_tensor(device_slots, device=self.device).to(torch.int64).reshape(-1)
         if slots.numel() != addrs.numel():  # checked before any change: nothing to undo
@@ -329,7 +309,6 @@ class TieredMapping(PlanQueue):
             raise ValueError("adopt: every address must be local and valid")
         if bool((self.loc.index_select(0, idx) >= 0).any()):
             raise ValueError("adopt: some addresses are already mapped")
-        self._epoch += 1
         self.dev.claim(slots, idx)
         self.loc.scatter_(0, idx, slots)
         self.visible.scatter_(0, idx, slots)
@@ -348,11 +327,8 @@ class TieredMapping(PlanQueue):
         round (they were requested in it), so the caller splits the round: ``advance_round``
         between smaller calls, as the engine's chunked attention does.
         """
-        self.poll()
         addrs, shape = self._addrs(addrs, "ensure_resident")
         is_local, idx, u = self._local_unique(addrs)
-        if self._pending:
-            self._wait_for(u)  # hits on rows still being copied in are read only after the copy
         lv = self.loc.index_select(0, u)
         if bool((lv < 0).any()):  # before any touch: a failed call changes nothing
             raise KeyError("ensure_resident: some addresses were never assigned (or were freed)")
@@ -387,10 +363,7 @@ class TieredMapping(PlanQueue):
     def free(self, addrs: torch.Tensor) -> int:
         """Release entries (device or host); never-assigned addresses (also those past the
         address space) are ignored."""
-        self.poll()
         _, _, u = self._local_unique(self._addrs(addrs, "free", ignore_out_of_range=True)[0])
-        if self._pending and u.numel():
-            self._wait_for(u)  # a copy in flight may still write their slots: no reuse before
         n = self._release(u) if u.numel() else 0
         self.stats.freed += n
         return n
@@ -400,53 +373,35 @@ class TieredMapping(PlanQueue):
         self.policy.advance_round()
 
     def resolve(self, addrs: torch.Tensor) -> torch.Tensor:
-        """Public packed locations (see ``unpack``); in-flight entries read PENDING."""
-        self.poll()
-        addrs, shape = self._addrs(addrs, "resolve")
+        """Public packed locations of the committed table (see ``unpack``)."""
+        addrs, shape = as_addresses(addrs, self.device, self.num_logical, "resolve")
         pl = self.placement
         return K.translate(addrs, self.visible, pl.owner_rank, pl.stride, pl.rank).reshape(shape)
 
-    # ------------------------------------------------------------ ordering rule
     def apply(self, plan: MovePlan, copy_fn: CopyFn) -> MovePlan:
-        """Copy data, then (once the copy is done) update the mapping, then signal the fence.
-
-        ``copy_fn(src_tier, src_slots, dst_tier, dst_slots)`` copies rows of every layer of
-        the group and may return an event with ``query()`` for an asynchronous copy; the
-        mapping then commits on a later ``poll()`` (every API call polls).
-        """
-        if plan.state != "planned":
-            return plan
+        """Copy the plan's rows with ``copy_fn(src_tier, src_slots, dst_tier, dst_slots)``
+        (in ``MovePlan``'s order; its return value is ignored), then commit the plan. If
+        ``copy_fn`` raises, the plan's entries are dropped (module doc) and the error
+        propagates. An applied, dropped or empty plan is returned as is."""
         if getattr(plan, "_mapping", None) is not self:  # another mapping's, or a fetch plan
             raise ValueError("plan belongs to another mapping")
-        self._check_apply_order(plan)
+        if plan.state != "planned":
+            return plan
         c = plan.num_staged
         stage_idx = torch.arange(c, device=self.device)
         copies = [(HOST, plan.promote_src_host[:c], STAGING, stage_idx),
                   (DEVICE, plan.demote_src_device, HOST, plan.demote_dst_host),
                   (HOST, plan.promote_src_host[c:], DEVICE, plan.promote_dst_device[c:]),
                   (STAGING, stage_idx, DEVICE, plan.promote_dst_device[:c])]
-        # Resumable: if copy_fn raises, the plan stays planned at that copy and a later apply
-        # continues there (re-running a finished copy could read a host slot a demotion
-        # already overwrote). Each copy may return its own event: the fence waits for all.
-        while plan._copies_done < len(copies):
-            a = copies[plan._copies_done]
-            if a[1].numel():
-                ev = copy_fn(*a)
-                if ev is not None:
-                    plan._events.append(ev)
-            plan._copies_done += 1
-        plan.fence.event = _AllEvents(plan._events) if len(plan._events) > 1 else (
-            plan._events[0] if plan._events else None)
-        plan.state = "copied"
-        self.poll()
+        self._outstanding = None
+        try:
+            for src_tier, src, dst_tier, dst in copies:
+                if src.numel():
+                    copy_fn(src_tier, src, dst_tier, dst)
+        except BaseException:
+            plan.state = "dropped"
+            self.stats.lost += self._release(plan._entries)
+            raise
+        self.visible.scatter_(0, plan._entries, plan._new_vals)
+        plan.state = "committed"
         return plan
-
-    def _commit(self, plan: MovePlan) -> None:
-        e, v = plan._entries, plan._new_vals
-        if plan._epoch == self._epoch:  # nothing freed, adopted or planned since: all valid
-            self.visible.scatter_(0, e, v)
-        else:
-            # Skip entries freed or moved again by a later plan since this one was made.
-            ok = (self._last_plan.index_select(0, e) == plan.plan_id) & (
-                self.loc.index_select(0, e) == v)
-            self.visible.scatter_(0, e.masked_select(ok), v.masked_select(ok))

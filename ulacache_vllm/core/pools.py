@@ -3,9 +3,8 @@
 Allocation pops the top of the free stack and release pushes onto it: one slice each, so the
 cost does not grow with the pool (a first-k search over a packed free bitmap with summary
 levels cost ~50 tensor ops per allocation, the largest part of a mapping step). ``owner`` is
-the authoritative free map (-1 = free); ``free_bits`` derives the packed bitmap view from it
-for introspection. The reverse map turns a victim slot back into the logical entry whose
-mapping must change.
+the authoritative free map (-1 = free). The reverse map turns a victim slot back into the
+logical entry whose mapping must change.
 """
 
 from __future__ import annotations
@@ -13,8 +12,6 @@ from __future__ import annotations
 import torch
 
 from ulacache_vllm.kernels.reference import const
-
-from .bitmaps import HierBitmap
 
 
 class SlotPool:
@@ -30,15 +27,6 @@ class SlotPool:
     @property
     def num_used(self) -> int:
         return self.num_slots - self.num_free
-
-    @property
-    def free_bits(self) -> HierBitmap:
-        """The free set as a packed bitmap with summary levels (O(S); introspection only)."""
-        bm = HierBitmap(1, self.num_slots, self.device)
-        free = (self.owner < 0).nonzero().squeeze(1)
-        if free.numel():
-            bm.add(0, free)
-        return bm
 
     def alloc(self, entries: torch.Tensor) -> torch.Tensor:
         """Take one free slot per (unique) entry id; raises if not enough are free."""
