@@ -75,9 +75,9 @@ def replay(trace, P: int, slots: int) -> dict:
         for r in range(P):
             b = bufs[st.group, r]
             unbuffered += int((u % P != r).sum())
-            _, plan = b.lookup(sel)
-            b.apply(plan, lambda *a: None)
-            fetched += plan.addrs.numel()
+            # A step's misses are fetched (a buffer that cannot keep them all fetches again).
+            fetched += int((b.slots_of(u) < 0).sum()) - int((u % P == r).sum())
+            b.settle(sel)
     n = max(1, len(steps)) * P
     hits = sum(b.stats.hits for b in bufs.values())
     looks = sum(b.stats.lookups for b in bufs.values())

@@ -200,11 +200,18 @@ def test_settings_are_coerced_or_named():
                                           "lru": "EXACT_TS", "trace_path": None})
     assert (s.host_pool_gib, s.fast_path, s.lru) == (8.0, False, "exact_ts")
     assert ula_config.UlaSettings.from_dict({"fast_path": 1}).fast_path is True
+    t = ula_config.UlaSettings.from_dict({"tp_mode": "Replicate", "remote_buffer_rows": "256",
+                                          "tp_lockstep_check": "yes"})
+    assert (t.tp_mode, t.remote_buffer_rows, t.tp_lockstep_check) == ("replicate", 256, True)
+    assert ula_config.UlaSettings().tp_mode == "shard"
     for bad, match in (({"host_pool_gib": "lots"}, "ula_host_pool_gib .*number of GiB"),
                        ({"host_pool_gib": True}, "number of GiB"),
                        ({"host_pool_gib": "nan"}, ">= 0"),
                        ({"fast_path": "maybe"}, "true or false"),
-                       ({"lru": 3}, "policy name"),
+                       ({"lru": 3}, "one of pblru, exact_ts"),
+                       ({"tp_mode": "both"}, "ula_tp_mode .*one of shard, replicate"),
+                       ({"remote_buffer_rows": 1.5}, "whole number"),
+                       ({"remote_buffer_rows": -1}, ">= 0"),
                        ({"trace_path": 5}, "file path")):
         with pytest.raises(ula_config.KVBackendError, match=match):
             ula_config.UlaSettings.from_dict(bad)

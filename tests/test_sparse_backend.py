@@ -178,7 +178,7 @@ def test_sparse_mla_attention_equals_dense_over_selected(monkeypatch, chunk):
     dev_flat[rows[on_host]] = float("nan")  # never read: those rows live on the host now
     dev_rows = torch.where(on_host, -1, rows)
     out_h, lse_h = sparse_math.sparse_mla_attention(q, dev_flat, dev_rows, scale, d_v,
-                                                    host_rows=host_rows, host_kv_rows=host_kv)
+                                                    staged=[(host_rows, host_kv)])
     assert torch.equal(out_h, out) and torch.equal(lse_h, lse)
 
 

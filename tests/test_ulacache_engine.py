@@ -221,25 +221,71 @@ emit({"out": [o.outputs[0].token_ids for o in outs], "metrics": m, "usage": usag
 """
 
 
-def test_tensor_parallel_2_parity_under_pressure(tiny_model):
-    """``tensor_parallel_size=2``: each TP rank keeps its own store of the (replicated, as in
+TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# Per-rank KV budget of the shard runs: ~1.2k local device slots per rank (2.4k over both),
+# well below the ~4.3k tokens the run holds at its peak.
+ULA_SHARD_KV_BYTES = 6_500_000
+
+
+@pytest.fixture(scope="module")
+def stock_tp2(tiny_model):
+    """Stock vLLM at TP=2 per model (the reference of both TP modes), run once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            model = str(tiny_model(name))
+            cache[name] = (model, run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
+                "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900,
+                env=TP_ENV))
+        return cache[name]
+    return get
+
+
+def test_tensor_parallel_2_replicate_parity_under_pressure(stock_tp2):
+    """``--ula-tp-mode replicate``: each TP rank keeps its own store of the (replicated, as in
     stock vLLM) MLA rows and makes the same placement decisions; greedy output matches stock
     TP=2 with the host tier in use, and every rank ends with its pools empty."""
-    model = str(tiny_model("deepseek_v32"))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    ref = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900, env=env)
+    model, ref = stock_tp2("deepseek_v32")
     ula = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
         "kv_backend": "ulacache", "kv_cache_memory_bytes": ULA_KV_BYTES,
-        "ula_host_pool_gib": ULA_HOST_GIB}}, timeout=900, env=env)
+        "ula_host_pool_gib": ULA_HOST_GIB, "ula_tp_mode": "replicate"}}, timeout=900,
+        env=TP_ENV)
     assert ula["out"] == ref["out"]
     m = ula["metrics"]
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
     assert len(ula["usage"]) == 2, ula["usage"]  # one store per TP rank
     for u in ula["usage"]:
         assert u["device_used"] == 0 and u["host_used"] == 0, u
-    # Replicas: both ranks made the same moves, and /metrics counts them once, not per rank.
+        assert u["tp_mode"] == "replicate" and u["totals"]["remote_rows_fetched"] == 0, u
+    # Replicas: both ranks made the same moves; /metrics sums every rank's.
     t0, t1 = (u["totals"] for u in ula["usage"])
     assert t0 == t1
-    assert m["vllm:ulacache_promotions"] == t0["promotions"], (m, t0)
-    assert m["vllm:ulacache_demotions"] == t0["demotions"], (m, t0)
+    assert m["vllm:ulacache_promotions"] == 2 * t0["promotions"], (m, t0)
+    assert m["vllm:ulacache_demotions"] == 2 * t0["demotions"], (m, t0)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v32", "glm_dsa"])
+def test_tensor_parallel_2_shard_parity_under_pressure(stock_tp2, name):
+    """``--ula-tp-mode shard`` (the default): token t's MLA row and indexer key live on rank
+    t mod 2 only. Greedy output equals stock TP=2 under pressure; on every rank rows were
+    demoted, promoted, fetched from the other rank and served from the remote-row buffer;
+    the ranks hold different rows (shards); everything is empty at the end."""
+    model, ref = stock_tp2(name)
+    ula = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
+        "kv_backend": "ulacache", "kv_cache_memory_bytes": ULA_SHARD_KV_BYTES,
+        "ula_host_pool_gib": ULA_HOST_GIB, "ula_tp_lockstep_check": True}}, timeout=900,
+        env=TP_ENV)
+    assert ula["out"] == ref["out"]
+    assert len(ula["usage"]) == 2, ula["usage"]
+    for u in ula["usage"]:
+        assert u["tp_mode"] == "shard", u
+        t = u["totals"]
+        assert t["demotions"] > 0 and t["promotions"] > 0, t
+        assert t["remote_rows_fetched"] > 0 and t["remote_hits"] > 0, t
+        assert u["device_used"] == 0 and u["host_used"] == 0 and u["remote_used"] == 0, u
+    assert ula["usage"][0]["totals"] != ula["usage"][1]["totals"]  # shards, not replicas
+    m = ula["metrics"]
+    assert m["vllm:ulacache_remote_rows_fetched"] == sum(
+        u["totals"]["remote_rows_fetched"] for u in ula["usage"]), m
+    assert m["vllm:ulacache_promotions"] == sum(u["totals"]["promotions"] for u in ula["usage"])

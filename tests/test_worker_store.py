@@ -51,14 +51,14 @@ def read_all(mods, logical, req_of_token):
     out = {}
     for name, mod in mods.items():
         t = mod.impl.translator
-        dev, host = t.resolve(name, logical, req_of_token)
+        dev, staged = t.resolve(name, logical, req_of_token)
         got = torch.full((*logical.shape, HEAD), -1.0)
         on_dev = dev >= 0
         got[on_dev] = mod.kv_cache.view(-1, HEAD).index_select(0, dev[on_dev])
-        if host is not None:
-            on_host = host >= 0
-            assert not bool((on_dev & on_host).any()), "a row in both tiers"
-            got[on_host] = t.host_rows(name).index_select(0, host[on_host])
+        for ids, rows in zip(staged, t.staged_rows(name)):
+            there = ids >= 0
+            assert not bool((on_dev & there).any()), "a row in two places"
+            got[there] = rows.view(-1, HEAD).index_select(0, ids[there])
         out[name] = got
     return out
 
@@ -134,15 +134,15 @@ def test_forward_only_resolves_and_stages_and_the_next_step_settles(lru):
     for (loc0, d0, h0), (loc1, d1, h1) in zip(before, _tables(store)):
         assert torch.equal(loc0, loc1) and (d0, h0) == (d1, h1)
     assert vars(store.counters) == counters
-    on_host = [(t.resolve(n, picks, None)[1] >= 0).sum().item()
+    on_host = [sum((x >= 0).sum().item() for x in t.resolve(n, picks, None)[1])
                for n, t in ((n, mods[n].impl.translator) for n in mods)]
     assert sum(on_host) > 0, "the test must read some host rows"
     # The next step's pre-forward half settles the read: the picks are device-resident now.
     store.begin_step([], {})
     assert store.counters.promotions > 0 and store.counters.lookups > store.counters.hits > 0
     for name, mod in mods.items():
-        dev, host = mod.impl.translator.resolve(name, picks, None)
-        assert bool((dev[valid] >= 0).all()) and (host is None or bool((host < 0).all()))
+        dev, staged = mod.impl.translator.resolve(name, picks, None)
+        assert bool((dev[valid] >= 0).all()) and all(bool((x < 0).all()) for x in staged)
     assert {getattr(g.mapping.policy, "inner", g.mapping.policy).name for g in store.groups} == {lru}
     # Freeing every block returns both pools to empty and re-enables identity placement.
     store.begin_step(sorted(set((live // BS).tolist())), {})

@@ -171,13 +171,13 @@ def run(seed: int, num_ops: int, num_blocks: int = 48, device_blocks: int = 8,
         if live:
             tokens = [s for r in live.values() for s in slots_of(r, 0, r.num_computed_tokens)]
             sel = torch.tensor(rng.sample(tokens, min(len(tokens), 24)), dtype=torch.int64)
-            dev, host = t.resolve("l.0", sel.unsqueeze(0), None)
+            dev, staged = t.resolve("l.0", sel.unsqueeze(0), None)
             got = torch.full((sel.numel(),), -1.0)
             on_dev = dev[0] >= 0
             got[on_dev] = mods["l.0"].kv_cache.view(-1, 4)[dev[0][on_dev], 0]
-            if host is not None:
-                on_host = host[0] >= 0
-                got[on_host] = t.host_rows("l.0")[host[0][on_host], 0]
+            for ids, rows in zip(staged, t.staged_rows("l.0")):
+                there = ids[0] >= 0
+                got[there] = rows[ids[0][there], 0]
             assert torch.equal(got, sel.float()), "a live token read the wrong row"
 
     ops = (("admit", 4), ("append", 6), ("finish", 2), ("abort", 1), ("preempt", 1),

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from lab.policies import NAMES as POLICIES
 from lab.policies import factory
 from lab.row_store import RowStore
-from ulacache_vllm.core import (DEVICE, HOST, CapacityError, ManualEvent, RemoteRowBuffer,
-                                TieredMapping, unpack)
+from ulacache_vllm.core import DEVICE, HOST, RemoteRowBuffer, TieredMapping, unpack
 
 
 class Cluster:
     """P simulated TP ranks: rank r owns entries t % P == r (rows in its mapping's tiers) and
-    buffers the remote rows it reads."""
+    buffers the remote rows it reads (hits from the buffer; misses read from their owner
+    during the step and kept by ``settle`` between steps, as the worker store does)."""
 
     def __init__(self, P, N, dev, host, buf, lru):
         self.P, self.N = P, N
@@ -29,10 +29,11 @@ class Cluster:
         self.rows = [torch.full((buf, 1), -1, dtype=torch.int64) for _ in range(P)]
         self.value = {}  # live address -> the value written for it
         self.version = 0
+        self.fetched = 0
 
     def _read_owned(self, r, addrs):
         t, _, s = unpack(self.maps[r].resolve(addrs))
-        assert set(t.tolist()) <= {DEVICE, HOST}, "an owner's row is missing or pending"
+        assert set(t.tolist()) <= {DEVICE, HOST}, "an owner's row is missing"
         out = torch.empty(addrs.numel(), dtype=torch.int64)
         for tier in (DEVICE, HOST):
             sel = t == tier
@@ -40,13 +41,15 @@ class Cluster:
                 out[sel] = self.stores[r].read(tier, s[sel]).reshape(-1)
         return out
 
-    def fetch_fn(self, r):
-        def fetch(owners, addrs, slots):
-            for o in owners.unique().tolist():
-                assert o != r, "a rank fetched a row it owns"
-                sel = owners == o
-                self.rows[r][slots[sel], 0] = self._read_owned(o, addrs[sel])
-        return fetch
+    def _fetch(self, r, addrs):
+        out = torch.empty(addrs.numel(), dtype=torch.int64)
+        owners = addrs % self.P
+        for o in owners.unique().tolist():
+            assert o != r, "a rank fetched a row it owns"
+            sel = owners == o
+            out[sel] = self._read_owned(o, addrs[sel])
+        self.fetched += addrs.numel()
+        return out
 
     def append(self, addrs):
         for r in range(self.P):
@@ -68,24 +71,30 @@ class Cluster:
             self.value.pop(a, None)
 
     def read(self, r, addrs):
-        """Rank r reads the rows of ``addrs``: its own through its mapping, the rest through
-        its buffer; returns the values."""
+        """Rank r reads the rows of ``addrs``: its own through its mapping, buffered remote
+        rows from its buffer, the other remote rows from their owners; then settles."""
         m, b = self.maps[r], self.bufs[r]
         slots, plan = m.ensure_resident(addrs)
         m.apply(plan, self.stores[r].copy_fn)
-        bslots, fplan = b.lookup(addrs)
-        b.apply(fplan, self.fetch_fn(r))
-        fplan.fence.wait()
-        assert fplan.fence.completed
+        bslots = b.slots_of(addrs)
         own = slots >= 0
-        remote = bslots >= 0
-        assert torch.equal(own ^ remote, addrs >= 0), "an address neither owned nor buffered"
-        assert torch.equal(b.resolve(addrs), bslots), "a fetched row is not visible"
-        out = torch.empty(addrs.numel(), dtype=torch.int64)
+        remote = (addrs >= 0) & ~own
+        hit = remote & (bslots >= 0)
+        miss = remote & (bslots < 0)
+        assert not bool((own & (bslots >= 0)).any()), "an owned row in the buffer"
+        out = torch.full((addrs.numel(),), -1, dtype=torch.int64)
         if own.any():
             out[own] = self.stores[r].read(DEVICE, slots[own]).reshape(-1)
-        if remote.any():
-            out[remote] = self.rows[r][bslots[remote], 0]
+        if hit.any():
+            out[hit] = self.rows[r][bslots[hit], 0]
+        missed = addrs[miss].unique()
+        got = self._fetch(r, missed) if missed.numel() else missed
+        if miss.any():
+            out[miss] = got[torch.searchsorted(missed, addrs[miss])]
+        keep, kslots = b.settle(addrs, insertable=missed)
+        assert bool(torch.isin(keep, missed).all())
+        if keep.numel():
+            self.rows[r][kslots, 0] = got[torch.searchsorted(missed, keep)]
         return out
 
     def advance(self):
@@ -145,65 +154,41 @@ def test_repeated_selection_hits_and_reused_address_is_refetched():
     b = c.bufs[0]
     sel = torch.tensor([1, 3, 5, 0])
     assert c.read(0, sel).tolist() == [1, 3, 5, 0]
-    assert b.stats.fetched == 3 and b.stats.hits == 0  # 0 is rank 0's own row
+    assert c.fetched == 3 and b.stats.hits == 0 and b.stats.inserted == 3  # 0 is rank 0's
     c.advance()
     assert c.read(0, sel).tolist() == [1, 3, 5, 0]
-    assert b.stats.fetched == 3 and b.stats.hits == 3  # served from the buffer
+    assert c.fetched == 3 and b.stats.hits == 3  # served from the buffer
     c.free(torch.tensor([3]))
     assert b.stats.invalidated == 1
     c.append(torch.tensor([3]))  # address 3 reused for a new token
     c.advance()
     assert c.read(0, sel).tolist() == [1, 8, 5, 0]  # the new value, not the buffered one
-    assert b.stats.fetched == 4
-
-
-def test_fetch_in_flight_is_invisible_until_done():
-    b = RemoteRowBuffer(16, 4, rank=0, world_size=2)
-    slots, plan = b.lookup(torch.tensor([1, 3, 2]))
-    assert slots[2] == -1 and bool((slots[:2] >= 0).all())
-    assert plan.addrs.tolist() == [1, 3] and plan.owners.tolist() == [1, 1]
-    assert b.resolve(torch.tensor([1, 3])).tolist() == [-1, -1]  # not fetched yet
-    ev = ManualEvent()
-    b.apply(plan, lambda owners, addrs, dst: ev)
-    assert not plan.fence.completed
-    assert b.resolve(torch.tensor([1, 3])).tolist() == [-1, -1]  # fetch still in flight
-    ev.set()
-    assert b.resolve(torch.tensor([1, 3])).tolist() == slots[:2].tolist()
-    assert plan.fence.completed
-
-
-def test_plans_apply_in_creation_order():
-    b = RemoteRowBuffer(16, 8, rank=0, world_size=2)
-    _, p1 = b.lookup(torch.tensor([1]))
-    _, p2 = b.lookup(torch.tensor([3]))
-    with pytest.raises(RuntimeError, match="creation order"):
-        b.apply(p2, lambda *a: None)
-    b.apply(p1, lambda *a: None)
-    b.apply(p2, lambda *a: None)
-    assert b.resolve(torch.tensor([1, 3])).ge(0).all()
-    foreign = RemoteRowBuffer(16, 8, rank=0, world_size=2).lookup(torch.tensor([5]))[1]
-    with pytest.raises(ValueError, match="another"):
-        b.apply(foreign, lambda *a: None)
+    assert c.fetched == 4
 
 
 @pytest.mark.parametrize("lru", POLICIES)
-def test_round_larger_than_buffer_changes_nothing(lru):
+def test_a_round_larger_than_the_buffer_keeps_a_prefix_and_never_evicts_this_round(lru):
     b = RemoteRowBuffer(64, 4, rank=0, world_size=2, lru=factory(lru))
-    _, p = b.lookup(torch.tensor([1, 3, 5]))
-    b.apply(p, lambda *a: None)
-    table, used, fetched = b.table.clone(), b.used, b.stats.fetched
-    with pytest.raises(CapacityError, match="remote-row buffer"):
-        b.lookup(torch.tensor([7, 9]))  # same round: 1, 3, 5 may not be evicted
-    assert torch.equal(b.table, table) and b.used == used and b.stats.fetched == fetched
+    keep, slots = b.settle(torch.tensor([1, 3, 5]))
+    assert keep.tolist() == [1, 3, 5] and b.used == 3
+    # Same round: 1, 3, 5 were read in it and may not be evicted; one free slot is left.
+    keep, _ = b.settle(torch.tensor([7, 9]))
+    assert keep.tolist() == [7] and b.stats.evicted == 0
+    assert b.slots_of(torch.tensor([1, 3, 5, 7])).ge(0).all()
     b.advance_round()
-    slots, p = b.lookup(torch.tensor([7, 9]))  # now the least recent rows make room
-    b.apply(p, lambda *a: None)
-    assert b.stats.evicted == 1 and b.used == 4
-    assert b.resolve(torch.tensor([1, 7, 9])).tolist()[1:] == slots.tolist()
-    assert b.resolve(torch.tensor([1])).item() == -1  # 1 was the least recent
-    b.advance_round()
-    _, p = b.lookup(torch.tensor([1]))  # an evicted row is fetched again, not "hit"
-    assert p.addrs.tolist() == [1] and b.stats.hits == 0
+    keep, slots = b.settle(torch.tensor([9, 11]))  # now earlier rows make room
+    assert keep.tolist() == [9, 11] and b.stats.evicted == 2 and b.used == 4
+    assert b.slots_of(keep).tolist() == slots.tolist()
+
+
+def test_only_insertable_misses_are_kept_and_owned_or_padding_are_ignored():
+    b = RemoteRowBuffer(16, 8, rank=1, world_size=2)
+    keep, _ = b.settle(torch.tensor([[0, 2, 4, -1], [1, 3, 2, 2]]), insertable=torch.tensor([2]))
+    assert keep.tolist() == [2]  # 1 and 3 are rank 1's own; 0, 4 were not fetched
+    assert b.stats.lookups == 3 and b.stats.hits == 0
+    keep, _ = b.settle(torch.tensor([0, 2]))
+    assert keep.tolist() == [0] and b.stats.hits == 1
+    assert b.table.dtype == torch.int32  # 4 bytes per logical token
 
 
 def test_bad_input():
@@ -212,55 +197,14 @@ def test_bad_input():
     with pytest.raises(ValueError):
         RemoteRowBuffer(16, 4, rank=2, world_size=2)
     b = RemoteRowBuffer(16, 4, rank=0, world_size=2)
-    with pytest.raises(KeyError, match="outside"):
-        b.lookup(torch.tensor([1, 99]))
-    with pytest.raises(TypeError):
-        b.lookup(torch.tensor([1.0]))
-    assert b.used == 0
     assert b.invalidate(torch.tensor([99, -1])) == 0
+    assert b.slots_of(torch.tensor([99, -1, 1])).tolist() == [-1, -1, -1]
+    keep, _ = b.settle(torch.tensor([], dtype=torch.int64))
+    assert keep.numel() == 0 and b.used == 0
     # World size 1: nothing is remote.
     one = RemoteRowBuffer(16, 4, rank=0, world_size=1)
-    slots, plan = one.lookup(torch.arange(8))
-    assert plan.empty and bool((slots == -1).all())
-
-
-class LazyCopy:
-    """An asynchronous fetch that finishes only when somebody waits for it."""
-
-    def __init__(self):
-        self.done = False
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):
-        self.done = True
-
-
-def test_hit_on_a_row_in_flight_waits_for_its_fetch():
-    b = RemoteRowBuffer(16, 4, rank=0, world_size=2)
-    s1, p1 = b.lookup(torch.tensor([1]))
-    ev = LazyCopy()
-    b.apply(p1, lambda *a: ev)
-    b.advance_round()
-    s2, p2 = b.lookup(torch.tensor([1]))  # a hit, but its bytes are still on the way
-    assert p2.empty and torch.equal(s1, s2)
-    assert ev.done and p1.fence.completed, "a hit returned a slot whose fetch was in flight"
-    assert b.resolve(torch.tensor([1])).tolist() == s1.tolist()
-
-
-def test_late_fetch_of_an_evicted_row_stays_invisible():
-    b = RemoteRowBuffer(16, 1, rank=0, world_size=2)
-    s1, p1 = b.lookup(torch.tensor([1]))
-    ev = ManualEvent()
-    b.apply(p1, lambda *a: ev)
-    b.advance_round()
-    s3, p3 = b.lookup(torch.tensor([3]))  # evicts 1 while its fetch is still in flight
-    assert torch.equal(s1, s3) and b.stats.evicted == 1
-    b.apply(p3, lambda *a: None)
-    ev.set()
-    b.poll()
-    assert b.resolve(torch.tensor([1, 3])).tolist() == [-1, s3.item()]
+    keep, _ = one.settle(torch.arange(8))
+    assert keep.numel() == 0 and bool((one.slots_of(torch.arange(8)) == -1).all())
 
 
 def test_tp_benchmark_replay_saves_fetches():
@@ -281,71 +225,3 @@ def test_tp_benchmark_replay_saves_fetches():
         demand = bench.remote_demand(tr, P)
         r = bench.replay(tr, P, demand)  # a round's remote rows always fit
         assert 0 < r["fetched"] < r["unbuffered"] and r["hit_rate"] > 0
-
-
-def test_a_miss_does_not_wait_for_an_old_fetch_of_the_same_address():
-    """Only rows the buffer holds wait for their fetch: an address evicted while its old fetch
-    is still in flight is a plain miss (waiting would block on an unrelated copy)."""
-    b = RemoteRowBuffer(16, 1, rank=0, world_size=2)
-    _, p1 = b.lookup(torch.tensor([1]))
-    ev = ManualEvent()
-    b.apply(p1, lambda *a: ev)  # in flight
-    b.advance_round()
-    _, p3 = b.lookup(torch.tensor([3]))  # evicts 1 while its fetch is in flight
-    b.apply(p3, lambda *a: None)
-    b.advance_round()
-    slots, p1b = b.lookup(torch.tensor([1]))  # ManualEvent.synchronize() would raise here
-    assert p1b.addrs.tolist() == [1] and not p1.fence.completed
-    assert b.invalidate(torch.tensor([3])) == 0  # evicted: nothing held, nothing to wait for
-    b.apply(p1b, lambda *a: None)
-    ev.set()
-    b.sync()
-    assert b.resolve(torch.tensor([1, 3])).tolist() == [slots.item(), -1]
-
-
-@pytest.mark.parametrize("lru", POLICIES)
-def test_old_fetch_never_publishes_a_slot_a_later_fetch_rewrites(lru):
-    """Evicted and fetched back into the same slot while the first fetch is in flight: the
-    first fetch's completion must not make the address visible (the slot is still being
-    rewritten by the later fetches on the in-order stream)."""
-    b = RemoteRowBuffer(16, 1, rank=0, world_size=2, lru=factory(lru))
-    evs = []
-    for a in (1, 3, 1):  # 1 -> slot 0, 3 evicts it, 1 evicts 3: all into slot 0
-        _, p = b.lookup(torch.tensor([a]))
-        evs.append(ManualEvent())
-        b.apply(p, lambda *x, e=evs[-1]: e)
-        b.advance_round()
-    evs[0].set()
-    assert b.resolve(torch.tensor([1, 3])).tolist() == [-1, -1]
-    evs[1].set()
-    assert b.resolve(torch.tensor([1, 3])).tolist() == [-1, -1]
-    evs[2].set()
-    assert b.resolve(torch.tensor([1, 3])).tolist() == [0, -1]
-
-
-def test_empty_lists_huge_addresses_and_foreign_plans():
-    b = RemoteRowBuffer(16, 4, rank=0, world_size=2)
-    slots, plan = b.lookup([])
-    assert slots.numel() == 0 and plan.empty
-    assert b.invalidate([]) == 0 and b.resolve([]).numel() == 0
-    with pytest.raises(KeyError, match="outside"):
-        b.lookup([2**63])
-    m = TieredMapping(16, 4, 4)
-    m.assign(torch.arange(4))
-    m.advance_round()
-    _, mplan = m.assign(torch.arange(4, 8))  # a move plan (victims to host), not a fetch plan
-    assert not mplan.empty
-    with pytest.raises(ValueError, match="another"):
-        b.apply(mplan, lambda *a: None)
-    _, fplan = b.lookup([5])
-    with pytest.raises(ValueError, match="another"):  # a fetch plan is no move plan either
-        m.apply(fplan, lambda *a: None)
-    b.apply(fplan, lambda *a: None)
-    assert b.invalidate([5, 2**63]) == 1  # past int64: ignored, as documented
-    _, p = b.lookup([1, 3])
-    evs = (ManualEvent(), ManualEvent())
-    b.apply(p, lambda *a: evs)  # several events (a tuple): visible once all are done
-    evs[0].set()
-    assert b.resolve([1]).item() == -1
-    evs[1].set()
-    assert b.resolve([1]).item() >= 0

@@ -2,7 +2,6 @@
 
 from .address_space import LogicalAddressSpace
 from .exact_lru import TimestampLRU
-from .fence import Fence, ManualEvent  # (the remote-row buffer's)
 from .mapping import DEVICE, HOST, REMOTE, STAGING, MappingStats, MovePlan, TieredMapping, unpack
 from .pblru import PBLRU
 from .placement import Placement
@@ -10,7 +9,7 @@ from .pools import CapacityError, SlotPool
 from .remote_buffer import RemoteBufferStats, RemoteRowBuffer
 
 __all__ = [
-    "LogicalAddressSpace", "TimestampLRU", "Fence", "ManualEvent", "DEVICE", "HOST",
+    "LogicalAddressSpace", "TimestampLRU", "DEVICE", "HOST",
     "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
     "PBLRU", "Placement", "CapacityError", "SlotPool",
     "RemoteBufferStats", "RemoteRowBuffer",

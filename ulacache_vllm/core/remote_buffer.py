@@ -1,67 +1,33 @@
-"""TP mode's buffer of recently fetched remote rows.
+"""TP shard mode's buffer of recently fetched remote rows (one per rank and layer group).
 
-With TP placement rank ``r`` owns the rows of entries ``t`` with ``t % P == r`` (MLA KV is
-sharded by token instead of replicated), yet attention on every rank reads every selected row
-(the latent row is shared by all heads). Rows owned by other ranks are fetched; consecutive
-DSA top-k sets overlap 60-95 %, so a per-rank buffer of recently fetched remote rows turns most
-fetches into hits.
+Rank ``r`` owns the entries ``t`` with ``t % P == r``, yet attention on every rank reads every
+selected row, so rows owned by other ranks are fetched; consecutive DSA top-k sets overlap
+heavily, so a buffer of recently fetched rows turns most fetches into hits.
 
-``RemoteRowBuffer`` maps remote logical addresses to buffer slots with a tensor table (like
-``TieredMapping``) and evicts with the same policies (PB-LRU by default): victims never come
-from the current round, so a row a round reads is not overwritten during it. Ordering rule as
-in the tiered mapping: ``lookup`` returns the slots and a ``FetchPlan`` (which addresses to
-fetch from which owner rank into which slots); ``apply(plan, fetch_fn)`` runs the fetch, and
-the entries become visible to ``resolve`` only once the fetch's event reports completion
-(commit, then the plan's fence is signalled). Plans are applied in creation order, so fetches
-into a reused slot land in order on one in-order stream.
+The contract matches `TieredMapping`'s: inside the forward only `slots_of` runs (one gather:
+buffer slot or -1); a miss is fetched into staging for that step. Between steps, `settle`
+touches the step's hits and inserts its fetched rows (free slots first, then eviction
+victims, never one used in the current round; when a round's misses exceed what can be
+evicted, only a prefix is kept and the rest is fetched again when read). `invalidate` runs
+with every free on every rank, so a reused logical address is never served stale bytes.
 
-A freed logical address may be reused for another token: ``invalidate`` (called with every
-free, on every rank) drops those entries, so a reused address is never served stale bytes.
-Failures (``CapacityError``: a round's remote rows exceed the buffer; ``KeyError`` /
-``TypeError``: bad addresses) leave the tables and pools unchanged (a failed lookup's hits stay
-marked as used in the round, as in ``TieredMapping.ensure_resident``).
+Tables are int32 over the global address space (4 bytes per logical token per group).
 """
-
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass
 
 import torch
 
-from ulacache_vllm import kernels as K
-
-from .fence import Fence
-from .mapping import make_policy
-from .placement import Placement
-from .plan_queue import AllEvents, PlanQueue, UniqueAddresses, as_addresses
+from .policies import make_policy
 from .pools import CapacityError, SlotPool
-
-# fetch_fn(owner_ranks, addrs, dst_slots) copies the rows of ``addrs`` (owned by
-# ``owner_ranks``) into buffer slots ``dst_slots``; it may return an event with ``query()``.
-FetchFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], object]
-
-
-@dataclass
-class FetchPlan:
-    addrs: torch.Tensor   # unique remote logical addresses to fetch
-    owners: torch.Tensor  # their owner ranks (addr % world_size)
-    slots: torch.Tensor   # buffer slots to write
-    plan_id: int = 0
-    fence: Fence = field(default_factory=Fence)
-    state: str = "planned"  # planned -> fetched -> committed
-    _buffer: object = None
-
-    @property
-    def empty(self) -> bool:
-        return self.addrs.numel() == 0
 
 
 @dataclass
 class RemoteBufferStats:
-    lookups: int = 0       # unique remote addresses looked up
+    lookups: int = 0       # unique remote addresses read (per settle)
     hits: int = 0          # ... already in the buffer
-    fetched: int = 0       # rows fetched from their owners
+    inserted: int = 0      # fetched rows kept
     evicted: int = 0       # buffered rows dropped to make room
     invalidated: int = 0   # buffered rows dropped because their entry was freed
 
@@ -70,27 +36,21 @@ class RemoteBufferStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
-class RemoteRowBuffer(PlanQueue):
-    ISSUED = "fetched"
-    KIND = "fetch"
-
+class RemoteRowBuffer:
     def __init__(self, num_logical: int, num_slots: int, *, rank: int, world_size: int,
                  device: torch.device | str = "cpu", lru="pblru", ring_size: int = 8):
         if num_slots < 1:
             raise ValueError(f"a remote-row buffer needs at least one slot, got {num_slots}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a TP group of {world_size}")
         self.device = torch.device(device)
-        self.placement = Placement("tp", rank, world_size)
+        self.rank, self.world = rank, world_size
         self.num_logical = num_logical
-        n = max(1, num_logical)
-        self.table = torch.full((n,), -1, dtype=torch.int64, device=self.device)    # planned
-        self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)  # fetched
-        self._unique = UniqueAddresses(n, self.device)
+        self.table = torch.full((max(1, num_logical),), -1, dtype=torch.int32, device=self.device)
         self.pool = SlotPool(num_slots, self.device)  # owner = the buffered address
-        self.policy = (lru(num_slots, self.device, ring_size) if callable(lru)  # (a factory)
+        self.policy = (lru(num_slots, self.device, ring_size) if callable(lru)
                        else make_policy(lru, num_slots, self.device, ring_size))
         self.stats = RemoteBufferStats()
-        self._init_plans(n, self.device)  # fetches in flight (PlanQueue)
-        self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
     @property
     def num_slots(self) -> int:
@@ -100,121 +60,76 @@ class RemoteRowBuffer(PlanQueue):
     def used(self) -> int:
         return self.pool.num_used
 
-    # ------------------------------------------------------------------ helpers
-    def _addrs(self, addrs, what: str, ignore_out_of_range: bool = False):
-        return as_addresses(addrs, self.device, self.num_logical, what, ignore_out_of_range)
+    def _remote(self, a: torch.Tensor) -> torch.Tensor:
+        return (a >= 0) & (a < self.num_logical) & (a % self.world != self.rank)
 
-    def _remote_unique(self, a: torch.Tensor):
-        """``(is_remote, unique remote addresses)``: dedup in O(n) via a claim table."""
-        P = self.placement.world_size
-        is_remote = (a >= 0) & (a % P != self.placement.rank)
-        return is_remote, self._unique(a.masked_select(is_remote))
+    def _unique_remote(self, addrs: torch.Tensor) -> torch.Tensor:
+        a = torch.as_tensor(addrs, device=self.device).reshape(-1).long()
+        return torch.unique(a.masked_select(self._remote(a)))
 
-    def _out(self, table, a, is_remote, shape) -> torch.Tensor:
-        safe = torch.where(is_remote, a, torch.zeros_like(a))
-        return torch.where(is_remote, table.index_select(0, safe), torch.full_like(a, -1)).reshape(shape)
+    def slots_of(self, addrs: torch.Tensor) -> torch.Tensor:
+        """Buffer slot of each buffered remote entry, -1 elsewhere (any shape; the forward's
+        one gather)."""
+        a = addrs.long()
+        rem = self._remote(a)
+        v = self.table.index_select(0, torch.where(rem, a, 0).reshape(-1)).view_as(a).long()
+        return torch.where(rem, v, torch.full_like(v, -1))
 
-    # ------------------------------------------------------------------ API
-    def lookup(self, addrs):
-        """Buffer slots for the remote entries among ``addrs`` (any shape; duplicates and -1
-        padding allowed; entries this rank owns give -1: resolve those through the rank's
-        ``TieredMapping``). Hits are touched; misses get slots (free ones first, then
-        victims not used this round) and go into the returned ``FetchPlan``. Apply the plan
-        and wait for its fence before reading the slots."""
-        self.poll()
-        a, shape = self._addrs(addrs, "lookup")
-        is_remote, u = self._remote_unique(a)
-        v = self.table.index_select(0, u)
-        if self._pending:  # a hit on a row still being fetched is read after that fetch
-            self._wait_for(u.masked_select(v >= 0))
-        hit = self.policy.hit_touch(v)
-        miss = K.compact(u, ~hit)
-        m = miss.numel()
+    def settle(self, addrs: torch.Tensor, insertable: torch.Tensor | None = None):
+        """Between steps: the remote entries a step read (``addrs``; duplicates, owned entries
+        and padding are ignored). Buffered ones are touched; the others get slots (only those
+        in ``insertable``, if given: e.g. the fetched ones not freed since). Returns (new
+        addresses, their slots): copy their rows in, then they are buffered."""
+        u = self._unique_remote(addrs)
+        v = self.table.index_select(0, u).long()
+        hit = v >= 0
         self.stats.lookups += u.numel()
-        self.stats.hits += u.numel() - m
-        if m == 0:
-            plan = FetchPlan(self._empty, self._empty, self._empty, state="committed", _buffer=self)
-            plan.fence.signal()
-            return self._out(self.table, a, is_remote, shape), plan
-        f = min(m, self.pool.num_free)
-        k = m - f
-        if k:
+        self.stats.hits += int(hit.sum())
+        if bool(hit.any()):
+            self.policy.touch(v.masked_select(hit))
+        miss = u.masked_select(~hit)
+        if insertable is not None:
+            miss = miss.masked_select(torch.isin(miss, insertable.to(miss.device)))
+        n = miss.numel()
+        f = min(n, self.pool.num_free)
+        k = min(n - f, self.pool.num_used)
+        victims = None
+        while k:
             try:
-                victims = self.policy.select_victims(k)  # raises before any change
-            except CapacityError:
-                self.stats.lookups -= u.numel()
-                self.stats.hits -= u.numel() - m
-                raise CapacityError(
-                    f"remote-row buffer of {self.num_slots} slots cannot hold this round's "
-                    f"{m} new remote rows next to the ones it already uses; split the round "
-                    "(advance_round between smaller lookups) or enlarge the buffer") from None
+                victims = self.policy.select_victims(k)
+                break
+            except CapacityError:  # the rest were used this round: keep only what fits
+                k //= 2
+        k = 0 if victims is None else victims.numel()
+        keep = miss[:f + k]
+        slots = self.pool.alloc(keep[:f])
+        if k:
             old = self.pool.owner.index_select(0, victims)
-            K.reference.fill_at(self.table, old, -1)
-            K.reference.fill_at(self.visible, old, -1)
-            self.pool.take(victims, miss[f:])
+            self.table.index_fill_(0, old, -1)
+            self.pool.take(victims, keep[f:])
+            slots = torch.cat([slots, victims])
             self.stats.evicted += k
-            dst = torch.cat([self.pool.alloc(miss[:f]), victims])
-        else:
-            dst = self.pool.alloc(miss)
-        self.table.scatter_(0, miss, dst)
-        self.policy.touch(dst)
-        plan = FetchPlan(miss, miss % self.placement.world_size, dst, plan_id=self._next_plan,
-                         _buffer=self)
-        self._next_plan += 1
-        self._last_plan.index_fill_(0, miss, plan.plan_id)
-        self._pending.append(plan)
-        self.stats.fetched += m
-        return self._out(self.table, a, is_remote, shape), plan
-
-    def apply(self, plan: FetchPlan, fetch_fn: FetchFn) -> FetchPlan:
-        """Fetch the rows, then (once the fetch is done) make them visible, then signal."""
-        if plan.state != "planned":
-            return plan
-        if getattr(plan, "_buffer", None) is not self:
-            raise ValueError("plan belongs to another remote-row buffer")
-        self._check_apply_order(plan)
-        ev = fetch_fn(plan.owners, plan.addrs, plan.slots)
-        plan.fence.event = AllEvents(list(ev)) if isinstance(ev, (list, tuple)) else ev
-        plan.state = "fetched"
-        self.poll()
-        return plan
-
-    def _commit(self, plan: FetchPlan) -> None:
-        # Entries invalidated or evicted since are not this plan's any more, nor are entries a
-        # later plan fetches again -- even into the same slot (evicted and fetched back): that
-        # later fetch may still be overwriting the slot.
-        ok = (self.table.index_select(0, plan.addrs) == plan.slots) & (
-            self._last_plan.index_select(0, plan.addrs) == plan.plan_id)
-        self.visible.scatter_(0, plan.addrs.masked_select(ok), plan.slots.masked_select(ok))
-
-    def resolve(self, addrs) -> torch.Tensor:
-        """Buffer slot of each remote entry whose row is fetched and committed, else -1."""
-        self.poll()
-        a, shape = self._addrs(addrs, "resolve")
-        is_remote = (a >= 0) & (a % self.placement.world_size != self.placement.rank)
-        return self._out(self.visible, a, is_remote, shape)
+        if keep.numel():
+            self.table.index_copy_(0, keep, slots.to(torch.int32))
+            self.policy.touch(slots)
+        self.stats.inserted += keep.numel()
+        return keep, slots
 
     def invalidate(self, addrs) -> int:
-        """Drop the buffered rows of freed entries (every rank calls this with every free);
-        returns how many were buffered. Addresses past the space are ignored."""
-        self.poll()
-        a, _ = self._addrs(addrs, "invalidate", ignore_out_of_range=True)
-        _, u = self._remote_unique(a)
+        """Drop the buffered rows of freed entries; returns how many were buffered."""
+        u = self._unique_remote(addrs)
         if u.numel() == 0:
             return 0
-        v = self.table.index_select(0, u)
+        v = self.table.index_select(0, u).long()
         held = v >= 0
-        if self._pending:  # a fetch in flight still writes their slots: no reuse before
-            self._wait_for(u.masked_select(held))
         slots = v.masked_select(held)
-        gone = u.masked_select(held)
-        K.reference.fill_at(self.table, gone, -1)
-        K.reference.fill_at(self.visible, gone, -1)
-        self.policy.release(slots)
-        self.pool.release(slots)
+        if slots.numel():
+            self.table.index_fill_(0, u.masked_select(held), -1)
+            self.policy.release(slots)
+            self.pool.release(slots)
         self.stats.invalidated += slots.numel()
         return slots.numel()
 
     def advance_round(self) -> None:
-        """End of a scheduling round: rows used before it may be evicted again."""
+        """End of a step: rows read before it may be evicted again."""
         self.policy.advance_round()

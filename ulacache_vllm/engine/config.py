@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 KV_BACKENDS = ("vllm", "ulacache")
+TP_MODES = ("shard", "replicate")
 DEFAULT_KV_BACKEND = "vllm"
 ADDITIONAL_CONFIG_KEY = "kv_backend"
 SETTINGS_KEY = "ulacache"
@@ -96,6 +97,20 @@ class UlaSettings:
     fast_path: bool = _setting(
         True, "bool", "identity placement (no translation, no copies) until the device pool "
         "first overflows (default true).")
+    tp_mode: str = _setting(
+        "shard", "choice", "with `--tensor-parallel-size P > 1`: `shard` (default; token t's "
+        "MLA row and indexer key live on rank t mod P only, so P ranks hold P times the "
+        "tokens; remote rows are fetched through the TP group into a buffer of recent ones) "
+        "or `replicate` (every rank holds every row, as stock vLLM). `shard` needs "
+        "`block_size % P == 0` and refuses speculative decoding, pipeline and context "
+        "parallelism.", choices=lambda: TP_MODES)
+    remote_buffer_rows: int = _setting(
+        0, "int", "TP shard mode: rows per rank and layer group of the buffer of recently "
+        "fetched remote rows (default 0: `max_num_seqs * index_topk`, at most 1/16 of the "
+        "device rows).", metavar="N")
+    tp_lockstep_check: bool = _setting(
+        False, "bool", "TP shard mode, debugging: before each exchange the ranks compare a "
+        "(step, op, layer) tag and raise on a mismatch instead of hanging (default false).")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "UlaSettings":
@@ -161,6 +176,16 @@ def _coerce(name: str, value: Any) -> Any:
         if not out >= 0 or out == float("inf"):
             raise KVBackendError(f"{flag} must be a finite number of GiB >= 0, got {value!r}")
         return out
+    if kind == "int":
+        try:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            out = int(value)
+        except (TypeError, ValueError):
+            raise KVBackendError(f"{flag} must be a whole number, got {value!r}") from None
+        if out < 0:
+            raise KVBackendError(f"{flag} must be >= 0, got {value!r}")
+        return out
     if kind == "bool":
         if isinstance(value, bool):
             return value
@@ -170,9 +195,13 @@ def _coerce(name: str, value: Any) -> Any:
             return value.strip().lower() in _TRUE
         raise KVBackendError(f"{flag} must be true or false, got {value!r}")
     if kind == "choice":
+        choices = UlaSettings.__dataclass_fields__[name].metadata["choices"]()
         if not isinstance(value, str):
-            raise KVBackendError(f"{flag} must be a policy name, got {value!r}")
-        return value.strip().lower()  # the choice itself is checked where it is used
+            raise KVBackendError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        v = value.strip().lower()
+        if v not in choices:
+            raise KVBackendError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
+        return v
     if kind == "path":
         if value is not None and not isinstance(value, (str, bytes)) and not hasattr(value, "__fspath__"):
             raise KVBackendError(f"{flag} must be a file path, got {value!r}")

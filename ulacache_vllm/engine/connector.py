@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 
 from .config import settings_from_additional_config, trace_file_for
-from .metrics import UlaPromMetrics, UlaStats
+from .metrics import UlaPromMetrics, UlaStats, per_rank_gauges
 
 logger = init_logger("vllm.ulacache.connector")
 CONNECTOR_NAME = "UlaCacheConnector"
@@ -78,11 +78,25 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
             pc = self._vllm_config.parallel_config
             trace_file = trace_file_for(self._settings.trace_path, pc.data_parallel_rank,
                                         pc.data_parallel_size)
-        self.store = UlaWorkerStore(layout, self._settings, ctx, device, trace_file)
-        # vLLM adds up the connector stats of all of an engine's workers. TP ranks hold
-        # replicas of the same rows and make the same moves: one rank's counters are the
-        # engine's (all of them would count every lookup and move P times).
-        self._reports_stats = _tp_rank() == 0
+        exchange = None
+        if layout.shards > 1:
+            from vllm.distributed import parallel_state as ps
+
+            from .tp_shard import TokenShard, TPExchange
+
+            tp = ps.get_tp_group()
+            if tp.world_size != layout.shards:
+                raise RuntimeError(f"ulacache: TP group of {tp.world_size} ranks, layout for "
+                                   f"{layout.shards}")
+            # The TP group's CPU process group (gloo): fine for the CPU build; a CUDA build
+            # would use tp.device_group.
+            exchange = TPExchange(TokenShard(tp.rank_in_group, tp.world_size), tp.cpu_group,
+                                  lockstep_check=self._settings.tp_lockstep_check)
+        self.store = UlaWorkerStore(layout, self._settings, ctx, device, trace_file, exchange)
+        # vLLM adds up the connector stats of all of an engine's workers: every rank reports
+        # its own pools and counters (shards: different rows; replicas: every rank's copy and
+        # moves are real memory and work), and the pool gauges are summed per rank.
+        self._rank = _tp_rank()
         logger.info("ulacache worker store ready: %s", layout.summary(
             self._vllm_config.model_config.max_model_len))
 
@@ -110,11 +124,11 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM ships connector stats through the scheduler to the stat loggers every step it
         # gets them; that costs ~1-2 ms per step on a small CPU model, so report when pages
         # moved or pools changed, and otherwise every STATS_EVERY steps (counters accumulate).
-        if self.store is None or not self._reports_stats or not self.store.stats_due(STATS_EVERY):
+        if self.store is None or not self.store.stats_due(STATS_EVERY):
             return None
         c = self.store.take_counters()
         data = {k: getattr(c, k) for k in c.__dataclass_fields__}
-        data.update(self.store.usage())
+        data.update(per_rank_gauges(self.store.usage(), self._rank))
         return UlaStats(data=data)
 
     # -------------------------------------------------------------------- stats

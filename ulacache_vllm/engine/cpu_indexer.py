@@ -27,6 +27,8 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 
+from .topk import local_candidates, merge_candidates, pack_candidates, unpack_candidates
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 QUANT_BLOCK = 128
@@ -106,22 +108,24 @@ def select_topk(
     keys: torch.Tensor,  # [L, D] float32
     positions: torch.Tensor,  # [n] absolute positions of the queries
     topk: int,
-) -> torch.Tensor:
-    """Top-k key positions per query over its causal prefix, -1 padded. [n, topk] int32."""
+    key_positions: torch.Tensor | None = None,  # [L] ascending (default: 0..L-1)
+    candidates: bool = False,
+):
+    """Top-k key positions per query over its causal prefix in the canonical order (`topk.py`:
+    score desc, position asc; output ascending, -1 padded): [n, topk] int32. With
+    ``candidates``: (scores, positions) of this key shard's top-k, for `merge_candidates`."""
     n, L = q.shape[0], keys.shape[0]
+    key_pos = torch.arange(L) if key_positions is None else key_positions
+    vals = torch.full((n, topk), float("-inf"), dtype=torch.float32)
     out = torch.full((n, topk), -1, dtype=torch.int32)
-    k = min(topk, L)
-    key_pos = torch.arange(L)
     for s in range(0, n, SCORE_CHUNK):
         e = min(n, s + SCORE_CHUNK)
         scores = torch.relu(torch.einsum("nhd,ld->nhl", q[s:e], keys))
         logits = torch.einsum("nhl,nh->nl", scores, weights[s:e])
         causal = key_pos.unsqueeze(0) <= positions[s:e].unsqueeze(1)
         logits = logits.masked_fill(~causal, float("-inf"))
-        vals, idx = logits.topk(k, dim=-1)
-        idx = torch.where(torch.isfinite(vals), idx, torch.full_like(idx, -1))
-        out[s:e, :k] = idx.to(torch.int32)
-    return out
+        vals[s:e], out[s:e] = local_candidates(logits, key_pos, topk)
+    return (vals, out) if candidates else out
 
 
 @dataclass
@@ -191,6 +195,13 @@ def indexer_forward_cpu(self, hidden_states, q_quant, k, weights):
     kv_cache = self.k_cache.kv_cache
     T = md.num_actual_tokens
     buf[: hidden_states.shape[0]] = -1
+    shard = getattr(self.k_cache, "token_shard", None)
+    if shard is not None:
+        return _sharded_forward(self, shard, kv_cache, md, q_quant, k, weights, T)
+    if kv_cache.shape[-1] <= 4:
+        raise RuntimeError(
+            f"ulacache: indexer cache {self.k_cache.prefix} is a placeholder but no token shard "
+            "was registered for it (TP shard mode wiring); please report it.")
     if k is not None and not self.skip_k_cache_insert:
         write_keys(kv_cache, k[:T], md.slot_mapping)
     qsl = md.query_start_loc_cpu.tolist()
@@ -207,4 +218,51 @@ def indexer_forward_cpu(self, hidden_states, q_quant, k, weights):
         buf[s:e, : self.topk_tokens] = select_topk(
             q_all[s:e], w_all[s:e], keys, positions, self.topk_tokens
         )
+    return buf
+
+
+def read_keys_shard(kv_local: torch.Tensor, block_row: torch.Tensor, n: int, shard):
+    """This rank's keys among a request's first n positions: (keys [m, 128] float32, their
+    positions [m], ascending). ``kv_local``: the rank's cache, [blocks, block_size / P, 132]."""
+    m = shard.local_count(n)
+    pos = torch.arange(m) * shard.world + shard.rank
+    if m == 0:
+        return torch.empty(0, kv_local.shape[-1] - 4), pos
+    lb = kv_local.shape[1]
+    nb = (m + lb - 1) // lb
+    values, scales = _cache_views(kv_local)
+    ids = block_row[:nb].long()
+    v = values[ids].reshape(nb * lb, -1)[:m].view(FP8).float()
+    s = scales[ids].reshape(nb * lb, 4)[:m].contiguous().view(torch.float32)
+    return v * s, pos
+
+
+def _sharded_forward(self, shard, kv_local, md, q_quant, k, weights, T):
+    """TP shard mode: score this rank's keys only, then merge every rank's candidates (one
+    all-gather per indexer layer) into the canonical global top-k (`topk.merge_candidates`)."""
+    buf = self.topk_indices_buffer
+    sh = shard.shard
+    if k is not None and not self.skip_k_cache_insert:
+        slots = md.slot_mapping.long()
+        own = sh.owned(slots)
+        write_keys(kv_local, k[:T][own], slots[own] // sh.world)
+    K = self.topk_tokens
+    vals = torch.full((T, K), float("-inf"), dtype=torch.float32)
+    pos = torch.full((T, K), -1, dtype=torch.int32)
+    qsl = md.query_start_loc_cpu.tolist()
+    seq_lens = md.seq_lens_cpu.tolist()
+    q_all = q_quant[:T].float()
+    w_all = weights[:T].float()
+    for r in range(md.num_reqs):
+        s, e = qsl[r], qsl[r + 1]
+        if e <= s:
+            continue
+        L = int(seq_lens[r])
+        keys, key_pos = read_keys_shard(kv_local, md.block_table[r], L, sh)
+        positions = torch.arange(L - (e - s), L)
+        vals[s:e], pos[s:e] = select_topk(q_all[s:e], w_all[s:e], keys, positions, K,
+                                          key_positions=key_pos, candidates=True)
+    everyone = shard.exchange.all_gather(pack_candidates(vals, pos), "candidates", shard.layer)
+    sc, pc = unpack_candidates(everyone)
+    buf[:T, :K] = merge_candidates(sc, pc, K)
     return buf

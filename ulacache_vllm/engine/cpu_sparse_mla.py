@@ -240,13 +240,14 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
             topk, attn_metadata.req_id_per_token[:num_tokens], attn_metadata.block_table, bs)
         translator = self._translator()
         # resolve -> stage -> attend: device rows through the table; host rows (if any may be
-        # read) are gathered beside them by the attention's own gather.
-        dev, host = translator.resolve(self._layer_name, logical,
-                                       attn_metadata.req_id_per_token[:num_tokens])
+        # read) and fetched remote rows (TP shard mode) are gathered beside them by the
+        # attention's own gather.
+        dev, staged = translator.resolve(self._layer_name, logical,
+                                         attn_metadata.req_id_per_token[:num_tokens])
         rows = slots_to_rows(dev, bs, stride_rows)
-        host_kv = translator.host_rows(self._layer_name) if host is not None else None
+        sources = translator.staged_rows(self._layer_name)
         return sparse_mla_attention(q, kv_rows, rows, self.scale, self.kv_lora_rank,
-                                    host_rows=host, host_kv_rows=host_kv)
+                                    staged=list(zip(staged, sources)))
 
     def _translator(self) -> KVTranslator:
         t = self.translator

@@ -27,7 +27,8 @@ class UlaKVCacheManager(KVCacheManager):
         layout = getattr(self.kv_cache_config, "ulacache_layout", None)
         # Blocks whose identity placement (logical slot == device slot) lands in the device
         # pool: while only these are live, the worker needs no translation at all.
-        self._device_blocks = (layout.device_slots // layout.block_size) if layout else 0
+        self._device_blocks = (layout.device_slots * getattr(layout, "shards", 1)
+                               // layout.block_size) if layout else 0
         pool_free = self.block_pool.free_blocks
 
         def free_blocks(ordered_blocks) -> None:  # this pool's only way back: see module doc

@@ -18,8 +18,9 @@ class KVTranslator:
     The interface every translator implements (ulacache's is `worker_store.GroupTranslator`):
     ``write_slots`` gives the physical slots for a layer's new rows (``trash_slot``: where
     padding goes, or None when the caller drops padding itself); ``resolve`` maps selected
-    logical slots to ``(device slots, host slots or None)``, -1 where not selected; a host
-    slot's row is read from ``host_rows(layer)``. Both run inside the forward: tensor ops only.
+    logical slots to ``(device slots, staged ids)``: -1 where not selected, and a list of id
+    tensors of other sources (host rows; TP shard mode's fetched remote rows) whose rows
+    ``staged_rows(layer)`` returns in the same order. All run inside the forward.
     """
 
     trash_slot: int | None = None
@@ -28,10 +29,10 @@ class KVTranslator:
         return slot_mapping
 
     def resolve(self, layer_name: str, logical: torch.Tensor, req_of_token: torch.Tensor | None):
-        return logical, None
+        return logical, []
 
-    def host_rows(self, layer_name: str) -> torch.Tensor | None:
-        return None
+    def staged_rows(self, layer_name: str) -> list[torch.Tensor]:
+        return []
 
 
 IDENTITY = KVTranslator()

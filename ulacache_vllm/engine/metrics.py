@@ -1,6 +1,7 @@
 """ulacache metrics: per-step counters from the workers, exported on the server's `/metrics`.
 
-They travel vLLM's own connector-stats path (worker `get_kv_connector_stats` -> scheduler
+Every worker (each TP rank) reports its own pools and counters: counters add up, and the
+pool gauges are summed over ranks. They travel vLLM's own connector-stats path (worker `get_kv_connector_stats` -> scheduler
 stats -> stat loggers -> `build_prom_metrics`), so they land in vLLM's Prometheus registry
 with its `engine`/`model_name` labels.
 """
@@ -15,8 +16,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallback_chunks",
-            "fast_path_exits")
-GAUGES = ("device_used", "host_used", "device_capacity", "host_capacity")
+            "fast_path_exits", "remote_lookups", "remote_hits", "remote_rows_fetched",
+            "remote_bytes_fetched")
+GAUGES = ("device_used", "host_used", "device_capacity", "host_capacity", "remote_used",
+          "remote_capacity")
+_AT = "@rank"  # gauges travel per rank (``device_used@rank1``) and are summed over ranks
+
+
+def per_rank_gauges(usage: dict, rank: int) -> dict:
+    return {f"{k}{_AT}{rank}": v for k, v in usage.items() if k in GAUGES}
 
 
 @dataclass
@@ -25,16 +33,29 @@ class UlaStats(KVConnectorStats):
         self.data = {}
 
     def aggregate(self, other: KVConnectorStats) -> "UlaStats":
-        # Counters add up over steps and ranks; gauges keep the latest report per rank.
-        for k in COUNTERS:
-            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
-        for k in GAUGES:
-            if k in other.data:
-                self.data[k] = other.data[k]
+        # Counters add up over steps and ranks; a gauge keeps each rank's latest report.
+        for k, v in other.data.items():
+            if k in COUNTERS:
+                self.data[k] = self.data.get(k, 0) + v
+            else:
+                self.data[k] = v
         return self
 
+    def gauges(self) -> dict[str, int]:
+        """Each gauge summed over the ranks that reported it."""
+        out: dict[str, int] = {}
+        for k, v in self.data.items():
+            if _AT in k:
+                name = k.split(_AT)[0]
+                out[name] = out.get(name, 0) + v
+            elif k in GAUGES:
+                out[k] = out.get(k, 0) + v
+        return out
+
     def reduce(self) -> dict[str, int | float]:
-        out = {k: self.data.get(k, 0) for k in COUNTERS + GAUGES}
+        out = {k: self.data.get(k, 0) for k in COUNTERS}
+        out.update({k: 0 for k in GAUGES})
+        out.update(self.gauges())
         look = out["lookups"]
         out["device_hit_rate"] = out["hits"] / look if look else 0.0
         return out
@@ -54,6 +75,10 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "bytes_moved": "Bytes copied between the device and host pools.",
             "fallback_chunks": "Settles that promoted only part of a step's working set (it exceeded the device pool; the rest stays on the host and is staged when read).",
             "fast_path_exits": "Switches from identity placement (no translation) to mapped placement.",
+            "remote_lookups": "TP shard mode: unique remote (other ranks') entries read, per step.",
+            "remote_hits": "TP shard mode: remote entries read from the buffer of recently fetched rows.",
+            "remote_rows_fetched": "TP shard mode: rows fetched from their owner ranks (per layer).",
+            "remote_bytes_fetched": "TP shard mode: bytes of rows fetched from their owner ranks.",
         }
         self.counters = {
             k: self._make(self._counter_cls, f"vllm:ulacache_{k}", h) for k, h in help_.items()
@@ -63,9 +88,12 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "host_used": "Host-pool slots in use (summed over layer groups).",
             "device_capacity": "Device-pool slots (summed over layer groups).",
             "host_capacity": "Host-pool slots (summed over layer groups).",
+            "remote_used": "TP shard mode: remote-row buffer slots in use (summed over groups).",
+            "remote_capacity": "TP shard mode: remote-row buffer slots (summed over groups).",
         }
         self.gauges = {k: self._make(self._gauge_cls, f"vllm:ulacache_{k}", h)
                        for k, h in gauges.items()}
+        self._last: dict[int, dict[str, int]] = {}
 
     def _make(self, cls, name, documentation):
         kwargs: dict[str, Any] = {"name": name, "documentation": documentation,
@@ -80,6 +108,11 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             v = transfer_stats_data.get(k, 0)
             if v:
                 per_engine[engine_idx].inc(v)
+        # Each rank's latest report stays until it reports again (ranks report when their
+        # own pools changed), and the gauge shows the sum over ranks.
+        last = self._last.setdefault(engine_idx, {})
+        last.update({k: v for k, v in transfer_stats_data.items() if _AT in k})
+        summed = UlaStats(data=dict(last)).gauges()
         for k, per_engine in self.gauges.items():
-            if k in transfer_stats_data:
-                per_engine[engine_idx].set(transfer_stats_data[k])
+            if k in summed:
+                per_engine[engine_idx].set(summed[k])

@@ -42,6 +42,17 @@ class UlaLayout:
     # (vLLM's default, the value that fits) when ulacache lowered a defaulted
     # max_num_batched_tokens to what the device pool holds in one step; else None.
     batch_tokens_lowered: tuple[int, int] | None = None
+    # TP: "replicate" (every rank holds every row, as stock vLLM) or "shard" (rank r holds the
+    # tokens t % tp_world == r: device_slots / host_slots are per rank, num_logical is the sum).
+    tp_mode: str = "replicate"
+    tp_world: int = 1
+    remote_slots: int = 0  # shard: rows of the remote-row buffer per rank and layer group
+    indexer_layers: dict[str, int] = dataclasses.field(default_factory=dict)  # bytes/token
+
+    @property
+    def shards(self) -> int:
+        """Ranks the logical space is split over (1 unless TP shard mode)."""
+        return self.tp_world if self.tp_mode == "shard" else 1
 
     def summary(self, max_model_len: int) -> str:
         per_req = max(1, max_model_len)
@@ -50,8 +61,22 @@ class UlaLayout:
             old, new = self.batch_tokens_lowered
             lowered = (f"; max_num_batched_tokens lowered from its default {old} to {new} "
                        f"so that one step fits the device pool (set it explicitly to choose)")
+        if self.shards > 1:
+            P = self.shards
+            return (
+                f"ulacache KV (TP shard mode, {P} ranks, token t on rank t mod {P}): per rank "
+                f"{self.device_slots} device slots + {self.host_slots} host slots + "
+                f"{self.remote_slots} remote-row buffer slots per MLA layer; total "
+                f"{P * self.device_slots} device + {P * self.host_slots} host = "
+                f"{self.num_logical} logical tokens ({len(self.mla_layers)} sparse-MLA layers, "
+                f"{sum(self.mla_row_bytes.values())} B/token MLA, "
+                f"{self.indexer_bytes_per_token} B/token indexer keys, each on one rank); "
+                f"max concurrent requests of max_model_len={max_model_len}: "
+                f"{self.num_logical // per_req}{lowered}")
+        tp = f" (TP replicate mode: each of {self.tp_world} ranks holds all of it)" \
+            if self.tp_world > 1 else ""
         return (
-            f"ulacache KV: {self.device_slots} device slots + {self.host_slots} host slots "
+            f"ulacache KV{tp}: {self.device_slots} device slots + {self.host_slots} host slots "
             f"per MLA layer = {self.num_logical} logical tokens "
             f"({len(self.mla_layers)} sparse-MLA layers, "
             f"{sum(self.mla_row_bytes.values())} B/token MLA, "
@@ -78,19 +103,25 @@ def host_tokens_of(host_pool_gib: float, bytes_per_token: int, block_size: int =
 
 
 def check_host_capacity(host_pool_gib: float, host_tokens: int, bytes_per_token: int,
-                        num_layers: int, max_model_len: int, block_size: int = 1) -> None:
-    """The host pool must hold one request of max_model_len (checked in the front end from the
-    model config, and again in the engine core from the exact layer specs). The suggested size
-    is the least (in MiB-ish steps of 0.001 GiB) that holds it in whole blocks."""
-    if host_tokens >= max_model_len:
+                        num_layers: int, max_model_len: int, block_size: int = 1,
+                        shards: int = 1) -> None:
+    """The host pool must hold one request of max_model_len (in TP shard mode, each rank's
+    pool its share: ceil(max_model_len / P) tokens), checked in the front end from the model
+    config and again in the engine core from the exact layer specs. The suggested size is the
+    least (in MiB-ish steps of 0.001 GiB) that holds it in whole blocks."""
+    need = -(-max_model_len // shards)
+    if host_tokens >= need:
         return
-    need_gib = math.ceil(max_model_len * bytes_per_token / GIB * 1000) / 1000
-    while host_tokens_of(need_gib, bytes_per_token, block_size) < max_model_len:
+    need_gib = math.ceil(need * bytes_per_token / GIB * 1000) / 1000
+    while host_tokens_of(need_gib, bytes_per_token, block_size) < need:
         need_gib = round(need_gib + 0.001, 3)
+    what = (f"one request of max_model_len={max_model_len}" if shards == 1 else
+            f"one request's share per rank ({need} tokens of max_model_len={max_model_len} "
+            f"over {shards} TP ranks)")
     raise KVBackendError(
         f"ulacache host pool too small: --ula-host-pool-gib {host_pool_gib} holds "
         f"{host_tokens} tokens of sparse-MLA KV ({bytes_per_token} bytes/token over "
-        f"{num_layers} layers), fewer than one request of max_model_len={max_model_len}. "
+        f"{num_layers} layers), fewer than {what}. "
         f"Set --ula-host-pool-gib to at least {need_gib} or lower --max-model-len."
     )
 
@@ -132,45 +163,72 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
     if len(block_sizes) != 1:
         raise KVBackendError(f"ulacache needs one block size across layers, got {block_sizes}")
     bs = block_sizes.pop()
+    tp_world = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
+    S = tp_world if settings.tp_mode == "shard" else 1  # shards of the logical space
+    if S > 1 and bs % S:
+        raise KVBackendError(
+            f"--ula-tp-mode shard needs block_size % tensor_parallel_size == 0 (token t lives on "
+            f"rank t mod {S}, whole blocks per rank); block_size is {bs}. Pass --block-size "
+            f"{bs * S} (or another multiple of {S}), or --ula-tp-mode replicate.")
+    lbs = bs // S  # rows per block on one rank
     row = {n: s.page_size_bytes // s.block_size for n, s in mla.items()}
     M = sum(row.values())
     I = sum(s.page_size_bytes // s.block_size for s in idx.values())
-    P = len(mla)  # placeholder bytes per token (1 per MLA layer)
-    host_slots = host_tokens_of(settings.host_pool_gib, M, bs)
-    device_slots = ((available_bytes - host_slots * (I + P)) // (I + P + M)) // bs * bs
+    # Placeholder bytes per logical token (1 per layer vLLM keeps allocating a placeholder
+    # for: the MLA layers; in shard mode the indexer layers too, whose keys the worker keeps).
+    Lp = len(mla) + (len(idx) if S > 1 else 0)
+    Ir = I if S == 1 else 0  # indexer keys vLLM allocates (per logical token)
+    Il = I if S > 1 else 0  # indexer keys the worker allocates (per local token)
+    host_slots = host_tokens_of(settings.host_pool_gib, M, lbs)
     max_model_len = vllm_config.model_config.max_model_len
     sched = vllm_config.scheduler_config
     topk = getattr(vllm_config.model_config.hf_text_config, "index_topk", 0) or 0
-    need_device = sched.max_num_batched_tokens + topk
-    check_host_capacity(settings.host_pool_gib, host_slots, M, len(mla), max_model_len, bs)
+    seqs = max(1, getattr(sched, "max_num_seqs", 1) or 1)
+    # Per rank and local token: placeholders of its P logical tokens' share, its indexer keys.
+    per_local = S * (Lp + Ir) + Il
+    remote = 0
+    if S > 1:
+        budget_rows = max(0, available_bytes) // (per_local + M)
+        remote = settings.remote_buffer_rows or max(lbs, min(seqs * topk, budget_rows // 16))
+        remote = -(-remote // lbs) * lbs
+    device_slots = ((available_bytes - host_slots * per_local - remote * M)
+                    // (per_local + M)) // lbs * lbs
+    check_host_capacity(settings.host_pool_gib, host_slots, M, len(mla), max_model_len, lbs, S)
+
+    def need_of(batch: int) -> int:  # device rows one step needs on one rank
+        return batch + topk if S == 1 else -(-batch // S) + seqs + -(-topk // S)
+
+    need_device = need_of(sched.max_num_batched_tokens)
     lowered = None
     if (device_slots < need_device and sched.enable_chunked_prefill
             and batch_tokens_defaulted(vllm_config)):
         # With chunked prefill a step holds at most max_num_batched_tokens new tokens, so a
         # default that does not fit the device pool is lowered (never below max_num_seqs: a
         # decode step of every running request must fit) instead of refusing to start.
-        fit = device_slots - topk
-        if fit >= max(1, getattr(sched, "max_num_seqs", 1)):
+        fit = device_slots - topk if S == 1 else (device_slots - seqs - -(-topk // S)) * S
+        if fit >= seqs:
             lowered = (sched.max_num_batched_tokens, fit)
-            need_device = fit + topk
+            need_device = need_of(fit)
     if device_slots < need_device:
         # Device slots come in whole blocks: the suggested budget must give a block count
         # that covers the need, not just the need in bytes.
-        need_bytes = -(-need_device // bs) * bs * (I + P + M) + host_slots * (I + P)
+        need_bytes = (-(-need_device // lbs) * lbs * (per_local + M) + host_slots * per_local
+                      + remote * M)
         if sched.enable_chunked_prefill:
             batch_fix = ", lower --max-num-batched-tokens,"
         else:  # vLLM's CPU build runs MLA without chunked prefill and fixes the batch size
             batch_fix = (f" (max_num_batched_tokens is fixed at {sched.max_num_batched_tokens} "
                          "here: chunked prefill is off for MLA on this platform)")
+        share = "" if S == 1 else f" on each of {S} TP ranks (its share of the step)"
         raise KVBackendError(
             f"ulacache device pool too small: the KV budget of {available_bytes} bytes leaves "
             f"{max(device_slots, 0)} device slots after indexer keys for {host_slots} host "
-            f"tokens, but one step needs up to {need_device} (max_num_batched_tokens "
+            f"tokens, but one step needs up to {need_device}{share} (max_num_batched_tokens "
             f"{sched.max_num_batched_tokens} + index_topk {topk}). Raise the KV budget "
             f"(--kv-cache-memory-bytes / --gpu-memory-utilization) to at least {need_bytes} "
             f"bytes{batch_fix} or shrink --ula-host-pool-gib."
         )
-    num_logical = device_slots + host_slots
+    num_logical = (device_slots + host_slots) * S
     names = sorted(mla, key=_layer_index)
     leaders = [n for n in names if mla[n].is_index_group_leader] or names
     if names[0] not in leaders:
@@ -189,6 +247,11 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
         mla_dtype=_dtype_name(first.dtype),
         indexer_bytes_per_token=I,
         batch_tokens_lowered=lowered,
+        tp_mode=settings.tp_mode if tp_world > 1 else "replicate",
+        tp_world=tp_world,
+        remote_slots=remote,
+        indexer_layers={n: s.page_size_bytes // s.block_size
+                        for n, s in sorted(idx.items(), key=lambda kv: _layer_index(kv[0]))},
     )
 
 
@@ -232,6 +295,8 @@ def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict], availabl
     new_specs = []
     for specs in kv_cache_specs:
         mla, idx, _ = split_specs(specs)
+        if layout.shards > 1:  # the worker keeps each rank's share of the indexer keys
+            idx = {n: placeholder_spec(s) for n, s in idx.items()}
         new_specs.append({**idx, **{n: placeholder_spec(s) for n, s in mla.items()}})
     bytes_per_block = sum(s.page_size_bytes for s in new_specs[0].values())
     budget = [layout.num_blocks * bytes_per_block] * len(new_specs)

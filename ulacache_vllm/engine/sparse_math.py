@@ -18,12 +18,12 @@ def sparse_mla_attention(
     rows: torch.Tensor,  # [T, K] row ids, -1 = not selected
     scale: float,
     d_v: int,
-    host_rows: torch.Tensor | None = None,  # [T, K] host row ids, -1 = not on the host
-    host_kv_rows: torch.Tensor | None = None,  # [H_rows, D_qk] the host pool's rows
+    staged: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out [T, H, d_v] in q.dtype, lse [T, H] float32, natural log). With
-    ``host_rows``, a selection is read from the host pool where its host row is >= 0 (staged
-    by the same gather), else from ``kv_rows``."""
+    """Returns (out [T, H, d_v] in q.dtype, lse [T, H] float32, natural log). ``staged``:
+    (ids [T, K], rows [R', D_qk]) pairs, e.g. the host pool and fetched remote rows; a
+    selection is read from a staged source where its id there is >= 0 (by the same gather),
+    else from ``kv_rows``."""
     T, H, _ = q.shape
     out = torch.zeros(T, H, d_v, dtype=q.dtype, device=q.device)
     lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
@@ -32,11 +32,13 @@ def sparse_mla_attention(
         idx = rows[s:e].long()
         valid = idx >= 0
         kv = kv_rows[idx.clamp(min=0)]  # [t, K, D]
-        if host_rows is not None:  # stage: the host rows' bytes beside the device rows
-            h = host_rows[s:e].long()
-            on_host = h >= 0
-            kv = torch.where(on_host.unsqueeze(-1), host_kv_rows[h.clamp(min=0)].to(kv.device), kv)
-            valid = valid | on_host
+        for ids, src in staged or ():  # stage: other sources' rows beside the device rows
+            h = ids[s:e].long()
+            there = h >= 0
+            if src.shape[0] == 0:
+                continue
+            kv = torch.where(there.unsqueeze(-1), src[h.clamp(min=0)].to(kv.device), kv)
+            valid = valid | there
         kv = kv.float()
         # Padding gathers row 0; zero it so whatever lives there (even NaN/Inf) cannot leak
         # into the output through 0 * x in the value product.

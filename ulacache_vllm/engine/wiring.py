@@ -84,11 +84,45 @@ def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
             "hook (SparseMLAIndexGroup.convert_logical_to_physical_topk) is not wired into the "
             "CUDA sparse-MLA backends yet. Use --kv-backend vllm on this machine."
         )
+    check_tp_mode(vllm_config, settings)
     check_host_pool(vllm_config, settings)
     keep_cpu_core_reservation(vllm_config)
     set_error_file()
     sc = vllm_config.scheduler_config
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
+
+
+def shards_of(vllm_config: Any, settings: UlaSettings) -> int:
+    """Ranks the logical space is split over: the TP size in shard mode, else 1."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return tp if settings.tp_mode == "shard" and tp > 1 else 1
+
+
+def check_tp_mode(vllm_config: Any, settings: UlaSettings) -> None:
+    """What TP shard mode does not support yet is refused here, before any engine starts."""
+    if shards_of(vllm_config, settings) == 1:
+        return
+    pc = vllm_config.parallel_config
+    tp = pc.tensor_parallel_size
+    fix = "; use --ula-tp-mode replicate (every rank holds every row) for this setup."
+    if pc.pipeline_parallel_size > 1:
+        raise KVBackendError(f"--ula-tp-mode shard (tensor_parallel_size {tp}) does not "
+                             f"support pipeline parallelism (pipeline_parallel_size "
+                             f"{pc.pipeline_parallel_size}) yet{fix}")
+    for what in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(pc, what, 1) or 1) > 1:
+            raise KVBackendError(f"--ula-tp-mode shard does not support {what} > 1 (vLLM's "
+                                 f"context parallelism shards the KV itself){fix}")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise KVBackendError("--ula-tp-mode shard does not support speculative decoding (MTP) "
+                             "yet: rejected draft tokens rewrite their KV rows in place, which "
+                             f"the remote-row buffers would serve stale{fix}")
+    bs = getattr(vllm_config.cache_config, "block_size", None)
+    if bs and bs % tp:
+        raise KVBackendError(
+            f"--ula-tp-mode shard needs block_size % tensor_parallel_size == 0 (token t lives "
+            f"on rank t mod {tp}); block_size is {bs}. Pass --block-size {bs * tp} (or another "
+            f"multiple of {tp}){fix}")
 
 
 def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
@@ -109,8 +143,10 @@ def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
     # Whole blocks, as the engine core counts them (the block size may still change there; it
     # checks again with its own).
     bs = getattr(vllm_config.cache_config, "block_size", None) or 1
-    host_tokens = host_tokens_of(settings.host_pool_gib, per_token, bs)
-    check_host_capacity(settings.host_pool_gib, host_tokens, per_token, layers, mc.max_model_len, bs)
+    shards = shards_of(vllm_config, settings)
+    host_tokens = host_tokens_of(settings.host_pool_gib, per_token, max(1, bs // shards))
+    check_host_capacity(settings.host_pool_gib, host_tokens, per_token, layers, mc.max_model_len,
+                        max(1, bs // shards), shards)
 
 
 def _draft_kv_layers(vllm_config: Any) -> int:

@@ -15,11 +15,18 @@ class UlaWorkerExtension:
     def ulacache_usage(self) -> dict:
         store = self._ulacache_store()
         out = dict(store.usage())
+        t = store.totals()
         out["totals"] = {
             "promotions": sum(g.mapping.stats.promotions for g in store.groups),
             "demotions": sum(g.mapping.stats.demotions for g in store.groups),
             "lookups": sum(g.mapping.stats.lookups for g in store.groups),
             "hits": sum(g.mapping.stats.hits for g in store.groups),
+            # TP shard mode (0 otherwise): unique remote entries read per step, buffer hits,
+            # rows and bytes fetched from their owners.
+            "remote_lookups": t["remote_lookups"],
+            "remote_hits": t["remote_hits"],
+            "remote_rows_fetched": t["remote_rows_fetched"],
+            "remote_bytes_fetched": t["remote_bytes_fetched"],
         }
         pols = [getattr(g.mapping.policy, "inner", g.mapping.policy) for g in store.groups]
         out["victim_paths"] = [getattr(p, "victim_path", p.name) for p in pols]
@@ -31,4 +38,7 @@ class UlaWorkerExtension:
         # the device pool, or None when the configured value was kept).
         out["batch_tokens_lowered"] = list(lay.batch_tokens_lowered) if lay.batch_tokens_lowered else None
         out["block_size"] = lay.block_size
+        out["tp_mode"] = lay.tp_mode
+        out["tp_rank"] = store.shard.rank if store.shard else 0
+        out["tp_world"] = lay.tp_world
         return out

@@ -44,11 +44,13 @@ import torch
 
 from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
 from ulacache_vllm.core.pools import CapacityError
+from ulacache_vllm.core.remote_buffer import RemoteRowBuffer
 from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 
 from .config import UlaSettings
 from .kv_translation import KVTranslator
 from .sizing import UlaLayout
+from .tp_shard import IndexerShard, TokenShard, TPExchange
 
 
 @dataclass
@@ -60,6 +62,12 @@ class StoreCounters:
     bytes_moved: int = 0
     fallback_chunks: int = 0  # settles that promoted only part of a step's working set
     fast_path_exits: int = 0
+    # TP shard mode: unique remote rows read per step, those found in the remote-row buffer,
+    # and those fetched from their owners (rows, bytes).
+    remote_lookups: int = 0
+    remote_hits: int = 0
+    remote_rows_fetched: int = 0
+    remote_bytes_fetched: int = 0
 
 
 @dataclass
@@ -76,33 +84,58 @@ class _Group:
     read: tuple[torch.Tensor, torch.Tensor | None] | None = None
     selected: list[torch.Tensor] = field(default_factory=list)  # logged for settle
     host_live: bool = False  # any host row may be read this step (fixed by begin_step)
+    read_host: bool = False  # this step's read stages host rows (fixed by resolve)
     staging: dict[str, torch.Tensor] = field(default_factory=dict)
+    # TP shard mode: the remote-row buffer, this step's fetch (unique missed addresses; the
+    # rows the other ranks asked this rank for: device row, host row; the exchange's counts),
+    # and the fetched rows per layer, kept for settle.
+    remote: RemoteRowBuffer | None = None
+    fetch_addrs: torch.Tensor | None = None
+    serve: tuple | None = None
+    counts: tuple | None = None
+    fetched: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class UlaWorkerStore:
     def __init__(self, layout: UlaLayout, settings: UlaSettings, layers: dict, device: torch.device,
-                 trace_file: str | None = None):
+                 trace_file: str | None = None, exchange: TPExchange | None = None):
         self.layout = layout
         self.settings = settings
         self.device = device
         bs = layout.block_size
         self.dtype = getattr(torch, layout.mla_dtype)
+        # TP shard mode: this rank owns logical addresses a % P == rank, at local a // P.
+        self.exchange = exchange if exchange is not None and exchange.shard.world > 1 else None
+        self.shard: TokenShard | None = self.exchange.shard if self.exchange else None
+        P = self.shard.world if self.shard else 1
+        self.num_local = layout.num_blocks * bs // P
         self.trash_slot = layout.device_slots  # one extra block past the pool takes padding
+        # Remote-row buffer rows sit past the trash block (attention reads them as device rows).
+        self.remote_base = layout.device_slots + bs
+        remote = layout.remote_slots if self.shard else 0
+        rows = -(-(self.remote_base + remote) // bs) * bs
         pin = device.type == "cuda"
         self.device_bytes: dict[str, torch.Tensor] = {}
         self.host_bytes: dict[str, torch.Tensor] = {}
         self.host_rows: dict[str, torch.Tensor] = {}  # host pools viewed in the KV dtype
         self.translators: dict[str, GroupTranslator] = {}
+        self.layer_index = {n: i for i, n in enumerate(layout.mla_layers)}
         for name in layout.mla_layers:
             rb = layout.mla_row_bytes[name]
-            self.device_bytes[name] = torch.zeros(layout.device_slots + bs, rb, dtype=torch.uint8,
-                                                  device=device)
+            self.device_bytes[name] = torch.zeros(rows, rb, dtype=torch.uint8, device=device)
             self.host_bytes[name] = torch.zeros(layout.host_slots, rb, dtype=torch.uint8,
                                                 device="cpu", pin_memory=pin)
             self.host_rows[name] = self.host_bytes[name].view(self.dtype)
             # Attention and writes see the device pool in vLLM's [blocks, block, head] shape.
             layers[name].kv_cache = self.device_bytes[name].view(self.dtype).view(
                 -1, bs, layout.mla_head_size)
+        if self.shard:
+            # The rank's share of the indexer keys, in vLLM's per-block layout with
+            # block_size / P rows per block (vLLM allocated a placeholder).
+            for i, (name, width) in enumerate(layout.indexer_layers.items()):
+                layers[name].kv_cache = torch.zeros(layout.num_blocks, bs // P, width,
+                                                    dtype=torch.uint8, device=device)
+                layers[name].token_shard = IndexerShard(self.shard, self.exchange, i)
         self.groups: list[_Group] = []
         self.group_of: dict[str, _Group] = {}
         current: list[str] = []
@@ -115,9 +148,10 @@ class UlaWorkerStore:
         self.step = 0
         self.fast_path = settings.fast_path
         self.identity = settings.fast_path
-        self.live = torch.zeros(layout.num_blocks * bs, dtype=torch.bool, device=device)
+        self.live = torch.zeros(self.num_local, dtype=torch.bool, device=device)
         self.counters = StoreCounters()
-        self.time_s = {"write": 0.0, "read": 0.0, "copy": 0.0, "begin": 0.0}
+        self._taken = StoreCounters()  # counters already reported (see totals)
+        self.time_s = {"write": 0.0, "read": 0.0, "copy": 0.0, "begin": 0.0, "exchange": 0.0}
         self._last_report, self._usage_changed = 0, False
         # Truncated: one file holds one run (two runs' steps would merge on replay).
         self._trace = open(trace_file, "w") if trace_file else None
@@ -133,9 +167,13 @@ class UlaWorkerStore:
 
     def _add_group(self, names: list[str]) -> None:
         lay = self.layout
-        m = TieredMapping(lay.num_blocks * lay.block_size, lay.device_slots, lay.host_slots,
+        m = TieredMapping(self.num_local, lay.device_slots, lay.host_slots,
                           device=self.device, lru=self.settings.lru)
         g = _Group(len(self.groups), list(names), m, sum(lay.mla_row_bytes[n] for n in names))
+        if self.shard:
+            g.remote = RemoteRowBuffer(lay.num_blocks * lay.block_size, lay.remote_slots,
+                                       rank=self.shard.rank, world_size=self.shard.world,
+                                       device=self.device, lru=self.settings.lru)
         self.groups.append(g)
         for n in names:
             self.group_of[n] = g
@@ -154,10 +192,20 @@ class UlaWorkerStore:
         ``slot_mappings``: this step's write slots per layer name (vLLM's forward context)."""
         with self.timed("begin"):
             self.step += 1
-            self._free(freed_blocks)
-            if not self.identity:
-                for g in self.groups:
-                    self._settle(g)
+            if self.exchange is not None:
+                self.exchange.step = self.step
+            freed = self._free(freed_blocks)
+            for g in self.groups:
+                sel = torch.cat([x.reshape(-1) for x in g.selected]) if g.selected else None
+                if g.remote is not None:
+                    if sel is not None:
+                        self._settle_remote(g, sel, freed)
+                    g.remote.advance_round()
+                    g.fetch_addrs, g.serve, g.counts = None, None, None
+                    g.fetched.clear()
+                if not self.identity:
+                    if sel is not None:
+                        self._settle(g, self.shard.local(sel) if self.shard else sel)
                     g.mapping.advance_round()
             for g in self.groups:
                 g.selected.clear()
@@ -170,34 +218,35 @@ class UlaWorkerStore:
             for g in self.groups:
                 g.host_live = not self.identity and g.mapping.host_used > 0
 
-    def _free(self, freed_blocks: list[int]) -> None:
+    def _free(self, freed_blocks: list[int]) -> torch.Tensor | None:
+        """Frees the blocks' entries; returns their logical addresses."""
         if not freed_blocks:
-            return
+            return None
         bs = self.layout.block_size
         blocks = torch.tensor(freed_blocks, dtype=torch.int64, device=self.device)
         addrs = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).reshape(-1)
         self._usage_changed = True
         for g in self.groups:
             self._record(g.gid, "free", addrs)
+            if g.remote is not None:
+                g.remote.invalidate(addrs)  # a reused address must never read stale rows
+        local = addrs if self.shard is None else (addrs[self.shard.owned(addrs)] // self.shard.world)
         if self.identity:
-            self.live.index_fill_(0, addrs, False)
-            return
+            self.live.index_fill_(0, local, False)
+            return addrs
         for g in self.groups:
-            g.mapping.free(addrs)
+            g.mapping.free(local)
         if self.fast_path and all(
                 g.mapping.device_used == 0 and g.mapping.host_used == 0 for g in self.groups):
             self.identity = True  # everything freed: identity placement is valid again
             self.live.zero_()
             for g in self.groups:
                 g.selected.clear()
+        return addrs
 
-    def _settle(self, g: _Group) -> None:
-        """Make the previous step's selections of ``g`` device-resident (hits touched in the
-        round they were read in, host rows promoted)."""
-        if not g.selected:
-            return
-        sel = torch.cat([s.reshape(-1) for s in g.selected])
-        g.selected.clear()
+    def _settle(self, g: _Group, sel: torch.Tensor) -> None:
+        """Make the previous step's selections of ``g`` (local addresses, -1 = none)
+        device-resident (hits touched in the round they were read in, host rows promoted)."""
         m = g.mapping
         # Drop padding and entries freed since they were read; duplicates stay (the mapping
         # dedups in O(n) itself).
@@ -218,12 +267,35 @@ class UlaWorkerStore:
             self._apply(g, plan)
             return
 
+    def _settle_remote(self, g: _Group, sel: torch.Tensor, freed: torch.Tensor | None) -> None:
+        """TP shard mode: the previous step's remote reads of ``g``: buffered ones touched,
+        fetched ones kept in the buffer (unless freed since)."""
+        fetched = g.fetch_addrs
+        if fetched is not None and freed is not None and fetched.numel():
+            fetched = fetched.masked_select(~torch.isin(fetched, freed))
+        st = g.remote.stats
+        before_l, before_h = st.lookups, st.hits
+        keep, slots = g.remote.settle(sel, insertable=fetched)
+        self.counters.remote_lookups += st.lookups - before_l
+        self.counters.remote_hits += st.hits - before_h
+        if keep.numel():
+            srt, perm = g.fetch_addrs.sort()
+            pos = perm.index_select(0, torch.searchsorted(srt, keep))
+            rows = slots + self.remote_base
+            with self.timed("copy"):
+                for name in g.layers:
+                    self.device_bytes[name].index_copy_(
+                        0, rows, g.fetched[name].index_select(0, pos))
+
     def _prepare_writes(self, g: _Group, slot_mapping: torch.Tensor) -> None:
-        """Device rows for this step's new tokens of ``g`` (padding -> the trash row)."""
+        """Device rows for this step's new tokens of ``g`` (padding and, in TP shard mode,
+        other ranks' tokens -> the trash row)."""
         if g.layers and self._trace is not None:
             self._record(g.gid, "append", slot_mapping)
         with self.timed("write"):
             sm = slot_mapping.reshape(-1).long()
+            if self.shard is not None:
+                sm = self.shard.local(sm)
             if self.identity:
                 valid = sm[sm >= 0]
                 if valid.numel() and int(valid.max()) >= self.layout.device_slots:
@@ -297,27 +369,35 @@ class UlaWorkerStore:
 
     # ---------------------------------------------------------------- reporting
     def usage(self) -> dict[str, int]:
+        n = len(self.groups)
+        out = {"device_capacity": self.layout.device_slots * n,
+               "host_capacity": self.layout.host_slots * n}
         if self.identity:
-            used = int(self.live.sum()) * len(self.groups)
-            return {"device_used": used, "host_used": 0,
-                    "device_capacity": self.layout.device_slots * len(self.groups),
-                    "host_capacity": self.layout.host_slots * len(self.groups)}
-        return {
-            "device_used": sum(g.mapping.device_used for g in self.groups),
-            "host_used": sum(g.mapping.host_used for g in self.groups),
-            "device_capacity": self.layout.device_slots * len(self.groups),
-            "host_capacity": self.layout.host_slots * len(self.groups),
-        }
+            out.update(device_used=int(self.live.sum()) * n, host_used=0)
+        else:
+            out.update(device_used=sum(g.mapping.device_used for g in self.groups),
+                       host_used=sum(g.mapping.host_used for g in self.groups))
+        if self.shard is not None:
+            out.update(remote_used=sum(g.remote.used for g in self.groups),
+                       remote_capacity=sum(g.remote.num_slots for g in self.groups))
+        return out
 
     def stats_due(self, every: int) -> bool:
         c = self.counters
-        changed = c.promotions or c.demotions or self._usage_changed
+        changed = c.promotions or c.demotions or c.remote_rows_fetched or self._usage_changed
         return bool(changed) or self.step - self._last_report >= every
 
     def take_counters(self) -> StoreCounters:
         out, self.counters = self.counters, StoreCounters()
         self._last_report, self._usage_changed = self.step, False
+        for k in out.__dataclass_fields__:
+            setattr(self._taken, k, getattr(self._taken, k) + getattr(out, k))
         return out
+
+    def totals(self) -> dict[str, int]:
+        """Every counter since startup (reported or not yet)."""
+        return {k: getattr(self._taken, k) + getattr(self.counters, k)
+                for k in self.counters.__dataclass_fields__}
 
 
 class GroupTranslator(KVTranslator):
@@ -353,21 +433,87 @@ class GroupTranslator(KVTranslator):
                        None if req_of_token is None else
                        req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
         with st.timed("read"):
+            sh = st.shard
+            local = logical if sh is None else sh.local(logical)
+            staged = []
+            g.read_host = not st.identity and g.host_live
             if st.identity:
-                g.read = (logical, None)
+                dev = local
             else:
-                loc = g.mapping.visible.index_select(0, logical.reshape(-1).clamp(min=0))
-                loc = loc.view_as(logical)
-                valid = (logical >= 0) & (loc >= 0)
-                tier = loc >> SLOT_BITS
-                slot = loc & SLOT_MASK
-                neg = torch.full_like(slot, -1)
-                dev = torch.where(valid & (tier == DEVICE), slot, neg)
-                host = torch.where(valid & (tier == HOST), slot, neg) if g.host_live else None
+                dev, host = self._locate(local)
+                if g.read_host:
+                    staged.append(host)
+            if sh is not None or not st.identity:
                 g.selected.append(logical)
-                g.read = (dev, host)
+            if sh is not None:
+                dev, fetch_ids = self._remote(logical, dev)
+                staged.append(fetch_ids)
+            g.read = (dev, staged)
         g.read_step = st.step
         return g.read
 
-    def host_rows(self, layer_name: str) -> torch.Tensor:
-        return self.store.host_rows[layer_name]
+    def _locate(self, local: torch.Tensor):
+        """(device rows, host rows) of local addresses through the committed table; -1 where
+        not on that tier or not an address."""
+        g = self.g
+        loc = g.mapping.visible.index_select(0, local.reshape(-1).clamp(min=0)).view_as(local)
+        valid = (local >= 0) & (loc >= 0)
+        tier = loc >> SLOT_BITS
+        slot = loc & SLOT_MASK
+        neg = torch.full_like(slot, -1)
+        return (torch.where(valid & (tier == DEVICE), slot, neg),
+                torch.where(valid & (tier == HOST), slot, neg))
+
+    def _remote(self, logical: torch.Tensor, dev: torch.Tensor):
+        """TP shard mode: buffered remote rows read as device rows; the others are asked of
+        their owners (one address exchange per group) and staged when the layer reads them
+        (`staged_rows`). Returns (device rows, ids into the fetched rows)."""
+        g, st = self.g, self.store
+        sh = st.shard
+        bslot = g.remote.slots_of(logical)
+        dev = torch.where(bslot >= 0, bslot + st.remote_base, dev)
+        miss = (logical >= 0) & ~sh.owned(logical) & (bslot < 0)
+        with st.timed("exchange"):
+            u, inv = torch.unique(logical.masked_select(miss), return_inverse=True)
+            order = torch.argsort(u % sh.world, stable=True)  # grouped by owner rank
+            send = u.index_select(0, order)
+            where_sent = torch.empty_like(order)
+            where_sent[order] = torch.arange(order.numel(), device=order.device)
+            wanted, counts = st.exchange.request(send, layer=g.gid)
+        ids = torch.full_like(logical, -1)
+        ids.masked_scatter_(miss, where_sent.index_select(0, inv))
+        # The rows asked of this rank: where they are here (identity: local = device row).
+        lw = wanted // sh.world
+        if st.identity:
+            serve = (lw, None)
+        else:
+            d, h = self._locate(lw)
+            serve = (d, h if bool((h >= 0).any()) else None)
+        g.fetch_addrs, g.serve, g.counts = send, serve, counts
+        return dev, ids
+
+    def staged_rows(self, layer_name: str) -> list[torch.Tensor]:
+        g, st = self.g, self.store
+        out = []
+        if g.read_host:  # as `resolve` decided for this step's read
+            out.append(st.host_rows[layer_name])
+        if st.shard is not None:
+            out.append(self._fetch_rows(layer_name))
+        return out
+
+    def _fetch_rows(self, layer_name: str) -> torch.Tensor:
+        """This layer's rows of the group's remote misses, from their owners (every rank
+        sends the rows asked of it in the same exchange)."""
+        g, st = self.g, self.store
+        d, h = g.serve
+        with st.timed("exchange"):
+            mine = st.device_bytes[layer_name].index_select(0, d.clamp(min=0))
+            if h is not None:
+                on_host = (h >= 0).unsqueeze(1)
+                hb = st.host_bytes[layer_name].index_select(0, h.clamp(min=0)).to(mine.device)
+                mine = torch.where(on_host, hb, mine)
+            got = st.exchange.rows(mine, g.counts, layer=st.layer_index[layer_name])
+        g.fetched[layer_name] = got
+        st.counters.remote_rows_fetched += got.shape[0]
+        st.counters.remote_bytes_fetched += got.numel()
+        return got.view(st.dtype).view(got.shape[0], st.layout.mla_head_size)

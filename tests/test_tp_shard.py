@@ -1,0 +1,133 @@
+"""TP shard mode without an engine: the canonical top-k and its sharded merge, a rank's share
+of the indexer scores, and two gloo processes running sharded stores and exchanges."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ulacache_vllm.engine.cpu_indexer import select_topk
+from ulacache_vllm.engine.topk import (
+    canonical_topk,
+    local_candidates,
+    merge_candidates,
+    pack_candidates,
+    unpack_candidates,
+)
+
+import _tp_workers
+
+
+def _reference(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
+    """Brute force: sort by (score desc, position asc), keep k, list positions ascending."""
+    n, m = scores.shape
+    out = torch.full((n, k), -1, dtype=torch.int32)
+    for i in range(n):
+        c = sorted((-scores[i, j].item(), positions[j].item()) for j in range(m)
+                   if scores[i, j] > float("-inf"))
+        sel = sorted(p for _, p in c[:k])
+        out[i, :len(sel)] = torch.tensor(sel, dtype=torch.int32)
+    return out
+
+
+def _shard(scores, positions, P, k):
+    cs, cp = [], []
+    for r in range(P):
+        v, p = local_candidates(scores[:, r::P], positions[r::P], k)
+        cs.append(v)
+        cp.append(p)
+    # Through the float32 all-gather payload, as the engine sends them.
+    packed = torch.stack([pack_candidates(v, p) for v, p in zip(cs, cp)])
+    s, p = unpack_candidates(packed)
+    return merge_candidates(s, p, k)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_canonical_topk_and_the_sharded_merge_equal_the_reference(seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(30):
+        n = int(torch.randint(1, 5, (1,), generator=g))
+        m = int(torch.randint(0, 50, (1,), generator=g))
+        k = int(torch.randint(1, 16, (1,), generator=g))
+        # Few distinct values: ties everywhere, also at the k-th place; some keys masked.
+        scores = torch.randint(-2, 3, (n, m), generator=g).float()
+        scores[torch.rand(n, m, generator=g) < 0.25] = float("-inf")
+        base = 0 if seed % 2 else (1 << 24) + 3  # positions past float32's exact integers
+        positions = torch.arange(m) + base
+        ref = _reference(scores, positions, k)
+        assert torch.equal(canonical_topk(scores, positions, k), ref)
+        for P in (2, 3, 4, 8):
+            assert torch.equal(_shard(scores, positions, P, k), ref), (P, scores, k)
+
+
+def test_fewer_keys_than_k_and_all_masked():
+    s = torch.tensor([[1.0, float("-inf"), 1.0], [float("-inf")] * 3])
+    out = canonical_topk(s, torch.arange(3), 5)
+    assert out.tolist() == [[0, 2, -1, -1, -1], [-1] * 5]
+    assert torch.equal(_shard(s, torch.arange(3), 2, 5), out)
+
+
+def test_torch_topk_alone_would_not_be_canonical():
+    """Why the canonical order exists: ties at the k-th place are common in DSA."""
+    s = torch.zeros(1, 200)
+    s[0, 150:] = 1.0
+    assert canonical_topk(s, torch.arange(200), 60).tolist()[0] == list(range(10)) + list(range(150, 200))
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_a_rank_s_share_of_the_indexer_scores_is_bitwise_the_whole_scoring(P):
+    g = torch.Generator().manual_seed(P)
+    n, H, D, L = 24, 4, 128, 300
+    q = torch.randn(n, H, D, generator=g)
+    w = torch.randn(n, H, generator=g)
+    keys = torch.randn(L, D, generator=g)
+    qpos = torch.arange(L - n, L)
+    full_s, full_p = select_topk(q, w, keys, qpos, L, candidates=True)
+    full = torch.full((n, L + 1), float("-inf"))  # column L takes the padding
+    full.scatter_(1, torch.where(full_p >= 0, full_p.long(), L), full_s)
+    for r in range(P):
+        kp = torch.arange(r, L, P)
+        s, p = select_topk(q, w, keys[r::P], qpos, L, key_positions=kp, candidates=True)
+        ok = p >= 0
+        assert ok.any()
+        mine = full.gather(1, p.long().clamp(min=0))
+        assert torch.equal(s[ok].view(torch.int32), mine[ok].view(torch.int32))  # bits
+    # ... and the merged selection is the whole indexer's, at the engine's k.
+    k = 64
+    whole = select_topk(q, w, keys, qpos, k)
+    parts = [select_topk(q, w, keys[r::P], qpos, k, key_positions=torch.arange(r, L, P),
+                         candidates=True) for r in range(P)]
+    merged = merge_candidates(torch.stack([x[0] for x in parts]),
+                              torch.stack([x[1] for x in parts]), k)
+    assert torch.equal(merged, whole)
+
+
+def _spawn(fn, tmp_path):
+    init = tmp_path / "init"
+    mp.start_processes(fn, args=(2, str(init), str(tmp_path)), nprocs=2, join=True,
+                       start_method="spawn")
+    return [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in range(2)]
+
+
+def test_two_ranks_one_overflowing_its_pool_read_exactly_and_stay_in_lockstep(tmp_path):
+    r0, r1 = _spawn(_tp_workers.skewed_worker, tmp_path)
+    for r in (r0, r1):
+        assert r["errors"] == 0, r
+        t = r["totals"]
+        assert t["remote_rows_fetched"] > 0 and t["remote_hits"] > 0, t
+        assert r["end"]["device_used"] == 0 and r["end"]["host_used"] == 0, r
+        assert r["end"]["remote_used"] == 0, r  # freed entries leave the buffers
+        assert r["identity"]
+    # Rank 0 holds most tokens: it overflowed (demotions, chunked settles), rank 1 did not.
+    assert r0["totals"]["demotions"] > 0 and r0["totals"]["fallback_chunks"] > 0, r0
+    assert r1["totals"]["demotions"] == 0 and r1["totals"]["fallback_chunks"] == 0, r1
+    assert r0["mid"] != r1["mid"]  # shards, not replicas
+
+
+def test_a_diverging_rank_raises_instead_of_hanging(tmp_path):
+    r0, r1 = _spawn(_tp_workers.diverging_worker, tmp_path)
+    for r in (r0, r1):
+        assert "ranks diverged" in r["error"], r
