@@ -1,0 +1,211 @@
+"""The capacity planner (`python -m ulacache_vllm.planner`): the presets print a table, its
+ulacache figures are the engine's own `plan_layout` figures, TP sharding beats replication and
+stock, the H200 -> B300 direction, clear errors for bad inputs, and (one engine boot) the
+planner's figure equals the engine's startup figure on the tiny model."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ulacache_vllm.engine import sizing
+from ulacache_vllm.engine.config import KVBackendError, UlaSettings
+from ulacache_vllm.planner import PlannerError, load_model, make_cluster, plan
+from ulacache_vllm.planner.__main__ import main
+from ulacache_vllm.planner.capacity import vllm_config
+from ulacache_vllm.planner.model import dsa_specs
+from ulacache_vllm.planner.presets import MODEL_PRESETS
+
+L128K = 128 << 10
+CLUSTERS = ("8xH200", "8xB300")
+
+
+@pytest.fixture(scope="module")
+def dsa_plans():
+    """{(model, cluster): Plan} for the DSA presets at 128K-token requests."""
+    out = {}
+    for name in ("deepseek-v3.2", "glm-5-dsa"):
+        model = load_model(name)
+        for c in CLUSTERS:
+            out[name, c] = plan(model, make_cluster(c), L128K)
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_presets_print_a_table(name, capsys):
+    assert main([name, "--cluster", "8xH200", "--cluster", "8xB300"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| scheme |") == 2 and out.count("Assumptions:") == 2
+    assert "KV budget per GPU" in out and "weights per GPU" in out
+    if MODEL_PRESETS[name].config.get("index_topk"):
+        for label in ("stock vLLM", "HiSparse, host copy per rank", "vLLM 0.32 HiSparse",
+                      "ulacache DP", "ulacache TP shard"):
+            assert f"| {label}" in out
+        assert "Gain over stock vLLM" in out
+    else:  # hybrids: stock HMA vs natural pages, the DSA rows marked as not applying
+        assert "| stock vLLM, HMA page geometry |" in out
+        assert "| natural page sizes (model) |" in out and "not a DSA model" in out
+
+
+def test_json_output(capsys):
+    import json
+
+    assert main(["deepseek-v3.2", "--json", "--request-tokens", "64K"]) == 0
+    (p,) = json.loads(capsys.readouterr().out)
+    assert p["request_tokens"] == 65536 and p["cluster"] == "8xH200"
+    assert {r["key"] for r in p["rows"]} == {"stock", "hisparse_per_rank", "hisparse_shared",
+                                             "ulacache_dp", "ulacache_shard"}
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_ulacache_rows_are_the_engines_plan_layout(dsa_plans, cluster, mode, monkeypatch):
+    """Same inputs, same code path: the row is what engine.sizing.plan_layout returns."""
+    p = dsa_plans["deepseek-v3.2", cluster]
+    row = p.row("ulacache_shard" if mode == "shard" else "ulacache_dp")
+    cfg = vllm_config(p.model, p.cluster, L128K)
+    cfg.additional_config = {}
+    specs = dsa_specs(p.model, p.kv_dtype, p.block_size)
+    settings = UlaSettings(host_pool_gib=p.cluster.host_gib_per_gpu, tp_mode=mode)
+    lay = sizing.plan_layout(cfg, specs, p.kv_budget, settings)
+    assert row.tokens == lay.num_logical == row.layout.num_logical
+    assert row.requests == lay.num_logical // L128K
+    assert lay.shards == (8 if mode == "shard" else 1)
+
+    calls = []
+    real = sizing.plan_layout
+
+    def spy(*a, **kw):
+        calls.append(real(*a, **kw))
+        return calls[-1]
+
+    monkeypatch.setattr(sizing, "plan_layout", spy)
+    again = plan(p.model, p.cluster, L128K)
+    assert calls, "the planner must size ulacache through engine.sizing.plan_layout"
+    assert again.row(row.key).layout in calls
+
+
+def test_stock_is_the_budget_over_all_kv_bytes_per_token(dsa_plans):
+    """vLLM's sizing: KV budget / (MLA row + indexer key, all layers), whole 64-token blocks,
+    less the null block; the same on every TP rank (max_tp_shards=1)."""
+    p = dsa_plans["deepseek-v3.2", "8xH200"]
+    per_token = 61 * (656 + 132)
+    assert per_token == 48068
+    blocks = p.kv_budget // (64 * per_token) - 1
+    assert p.row("stock").tokens == blocks * 64
+    assert p.row("stock").requests == blocks // (L128K // 64)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3.2", "glm-5-dsa"])
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_shard_beats_replicate_and_stock_and_its_gain_dominates(dsa_plans, name, cluster):
+    p = dsa_plans[name, cluster]
+    stock, rep, shard = (p.row(k).cluster_requests
+                         for k in ("stock", "ulacache_dp", "ulacache_shard"))
+    assert shard >= rep >= stock and shard > stock
+    # TP sharding's gain (shard over replicate) is larger than the host tier's (replicate
+    # over stock): the replicated indexer keys and rows, not the host pool, are what cost.
+    assert shard / rep > rep / stock
+    for key in ("hisparse_per_rank", "hisparse_shared"):
+        assert shard > p.row(key).cluster_requests
+
+
+def test_b300_gains_more_requests_than_h200(dsa_plans):
+    """DeepSeek-V3.2 FP8, 128K requests: ulacache TP shard adds more requests over stock on
+    8xB300 (192 GiB host per GPU) than on 8xH200 (128 GiB). As a ratio it is the other way
+    round: B300's larger HBM also lifts stock (26 vs 6 requests), so the claim holds for
+    requests gained, not for the multiple."""
+    h = dsa_plans["deepseek-v3.2", "8xH200"]
+    b = dsa_plans["deepseek-v3.2", "8xB300"]
+    (h_ratio, h_extra), (b_ratio, b_extra) = h.gain("ulacache_shard"), b.gain("ulacache_shard")
+    assert b_extra > h_extra > 0
+    assert h_ratio > b_ratio > 1
+
+
+def test_capped_host_pool_is_the_largest_that_starts(dsa_plans):
+    """GLM-5 on 8xH200: a 128 GiB pool per rank's indexer keys leave the device no room for one
+    step, so the row uses the largest pool the engine starts with (MiB steps)."""
+    p = dsa_plans["glm-5-dsa", "8xH200"]
+    row = p.row("ulacache_shard")
+    assert "capped at" in row.note
+    gib = row.host_pool_gib
+    assert gib < p.cluster.host_gib_per_gpu
+    cfg = vllm_config(p.model, p.cluster, L128K)
+    cfg.additional_config = {}
+    specs = dsa_specs(p.model, p.kv_dtype, p.block_size)
+    lay = sizing.plan_layout(cfg, specs, p.kv_budget, UlaSettings(host_pool_gib=gib))
+    assert lay.num_logical == row.tokens
+    with pytest.raises(KVBackendError, match="device pool too small"):
+        sizing.plan_layout(cfg, specs, p.kv_budget,
+                           UlaSettings(host_pool_gib=gib + 1 / 1024))
+
+
+def test_hybrid_natural_pages_hold_at_least_stock():
+    for name in ("qwen3-next-80b", "gpt-oss-120b"):
+        model = load_model(name)
+        for tokens in (8 << 10, L128K):
+            p = plan(model, make_cluster("8xH200"), tokens)
+            assert p.row("natural").requests >= p.row("hma_stock").requests > 0
+            assert p.row("ulacache_shard").error and p.row("hisparse_shared").error
+
+
+def test_bad_inputs_name_the_fix(capsys):
+    with pytest.raises(PlannerError, match=r"not a preset \(deepseek-v3.2.*Pass a preset"):
+        load_model("deepseek-v9")
+    with pytest.raises(PlannerError, match=r"--tp 3 does not divide --gpus 8.*one of "
+                                           r"\[1, 2, 4, 8\]"):
+        make_cluster("8xH200", tp=3)
+    with pytest.raises(PlannerError, match=r"--dp 4 .*pass --dp 1"):
+        make_cluster("8xH200", tp=8, dp=4)
+    with pytest.raises(PlannerError, match=r"unknown cluster"):
+        make_cluster("8xH100")
+    with pytest.raises(PlannerError, match=r"max_position_embeddings 163840\); pass "
+                                           r"--request-tokens 163840 or less"):
+        plan(load_model("deepseek-v3.2"), make_cluster("8xH200"), 200_000)
+    with pytest.raises(PlannerError, match="no KV memory left.*larger --tp"):
+        plan(load_model("deepseek-v3.2"), make_cluster("8xH200", tp=1), L128K,
+             experts_over="tp")
+    # The CLI prints the message and exits 2, no traceback.
+    assert main(["deepseek-v3.2", "--tp", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --tp 3 does not divide") and "Traceback" not in err
+    with pytest.raises(SystemExit):  # argparse: unknown cluster preset
+        main(["deepseek-v3.2", "--cluster", "8xA100"])
+
+
+def test_importing_the_planner_does_not_import_vllm():
+    code = "import sys, ulacache_vllm.planner; assert 'vllm' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+ENGINE_SCRIPT = r"""
+from vllm import LLM
+llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
+          max_num_seqs=8, seed=0, kv_backend="ulacache",
+          kv_cache_memory_bytes=ARGS["kv_bytes"], ula_host_pool_gib=ARGS["host_gib"],
+          **ARGS["path"])
+usage = llm.collective_rpc("ulacache_usage")[0]
+emit({"num_logical": usage["num_logical"], "block_size": usage["block_size"]})
+"""
+
+
+@pytest.mark.engine
+def test_planner_matches_the_engines_startup_figure(tiny_model):
+    """The tiny DeepSeek-V3.2 model booted with a given KV budget and host pool holds exactly
+    the logical tokens the planner computes from its config.json for the same budget."""
+    from _vllm_subprocess import mla_path_kwargs, run_vllm_script
+
+    model = tiny_model("deepseek_v32")
+    kv_bytes, host_gib = 20_000_000, 0.01
+    path = mla_path_kwargs("reference")  # block 16, no chunked prefill, 2048-token steps
+    got = run_vllm_script(ENGINE_SCRIPT, timeout=900, args={
+        "model": str(model), "kv_bytes": kv_bytes, "host_gib": host_gib, "path": path})
+    p = plan(load_model(model),
+             make_cluster(gpus=1, tp=1, host_gib_per_gpu=host_gib, kv_bytes_per_gpu=kv_bytes,
+                          max_num_batched_tokens=path["max_num_batched_tokens"],
+                          max_num_seqs=8, chunked_prefill=False),
+             1024, kv_dtype="float32", block_size=16, ula_host_pool_gib=host_gib)
+    row = p.row("ulacache_dp")
+    assert got["block_size"] == 16
+    assert row.error is None and row.tokens == got["num_logical"] > 0

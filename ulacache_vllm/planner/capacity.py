@@ -1,0 +1,529 @@
+"""Concurrent requests of one length that fit a cluster, per KV scheme.
+
+Invariants: every figure comes from the code that sizes the real thing. ulacache rows call
+`engine.sizing.plan_layout` (the engine's own sizing, looked up on the module at call time);
+stock and HiSparse rows call vLLM's own `get_kv_cache_groups` /
+`get_kv_cache_config_from_groups` / `get_max_concurrency_for_kv_cache_config` and HiSparse
+layout functions on a namespace standing in for `VllmConfig`. Only the hybrids' "natural page"
+row, which no engine implements, is the planner's own arithmetic. A vLLM block pool's null
+block is never counted as capacity.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from .model import (
+    ModelShape,
+    PlannerError,
+    attention_token_bytes,
+    dsa_specs,
+    gdn_state,
+    hybrid_specs,
+    kv_dtype_of,
+    state_bytes,
+)
+from .presets import CLUSTER_PRESETS, WEIGHT_BYTES
+
+GIB = 1 << 30
+DSA_BLOCK_SIZE = 64  # FlashMLA sparse (DeepSeek-V3.2 / GLM DSA on GPU) reads 64-token pages
+NATURAL_ATTENTION_BLOCK = 32
+
+
+@dataclass
+class Cluster:
+    name: str
+    gpus: int
+    tp: int
+    dp: int
+    gpu_gib: float
+    host_gib_per_gpu: float
+    gpus_per_node: int = 8
+    gpu_util: float = 0.9
+    activation_reserve_gib: float = 10.0
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 1024
+    batch_tokens_defaulted: bool = True  # left to vLLM's default (ulacache may lower it)
+    chunked_prefill: bool = True
+    kv_bytes_per_gpu: int | None = None  # given directly instead of derived from memory
+    notes: tuple[str, ...] = ()
+
+
+def make_cluster(preset: str | None = None, **given: Any) -> Cluster:
+    """A cluster from a preset and/or explicit figures (None values are left to the preset).
+    TP x DP must equal the GPU count; DP defaults to GPUs / TP."""
+    fields = {k: v for k, v in given.items() if v is not None}
+    if preset is not None:
+        if preset not in CLUSTER_PRESETS:
+            raise PlannerError(f"unknown cluster {preset!r}; presets: "
+                               f"{', '.join(CLUSTER_PRESETS)} (or give --gpus, --gpu-gib, "
+                               f"--host-gib-per-gpu and --tp without --cluster)")
+        p = CLUSTER_PRESETS[preset]
+        base = dict(name=preset, gpus=p.gpus, gpus_per_node=p.gpus_per_node,
+                    gpu_gib=p.gpu_gib, host_gib_per_gpu=p.host_gib_per_gpu, tp=p.tp,
+                    max_num_batched_tokens=p.max_num_batched_tokens,
+                    max_num_seqs=p.max_num_seqs, notes=(p.note,))
+        if "max_num_batched_tokens" in fields:
+            base["batch_tokens_defaulted"] = False
+        changed = [f"{k}={v:g}" for k, v in fields.items()
+                   if k in ("gpus", "gpu_gib", "host_gib_per_gpu", "tp", "dp", "gpu_util",
+                            "activation_reserve_gib") and v != base.get(k)]
+        if changed:
+            base["name"] = f"{preset} ({', '.join(changed)})"
+        base.update(fields)
+        fields = base
+    else:
+        missing = [f for f in ("gpus", "tp", "host_gib_per_gpu") if f not in fields]
+        if "gpu_gib" not in fields and "kv_bytes_per_gpu" not in fields:
+            missing.append("gpu_gib")
+        if missing:
+            flags = ", ".join("--" + m.replace("_", "-") for m in missing)
+            raise PlannerError(f"no --cluster preset and {flags} not given: pass a preset "
+                               f"({', '.join(CLUSTER_PRESETS)}) or all of them")
+        fields.setdefault("gpu_gib", 0.0)
+        if "max_num_batched_tokens" in fields:
+            fields.setdefault("batch_tokens_defaulted", False)
+        fields.setdefault("name", f"{fields['gpus']} GPUs")
+    gpus = fields["gpus"]
+    tp = fields.setdefault("tp", gpus)
+    if tp < 1 or gpus < 1 or gpus % tp:
+        divisors = [d for d in range(1, gpus + 1) if gpus % d == 0] if gpus > 0 else []
+        raise PlannerError(f"--tp {tp} does not divide --gpus {gpus}: each engine is TP GPUs "
+                           f"and the cluster is DP engines. Pass --tp one of {divisors} or "
+                           f"change --gpus.")
+    dp = fields.setdefault("dp", gpus // tp)
+    if tp * dp != gpus:
+        raise PlannerError(f"--tp {tp} x --dp {dp} = {tp * dp} GPUs, but the cluster has "
+                           f"{gpus}: pass --dp {gpus // tp} (or leave --dp out).")
+    if not 0 < fields.get("gpu_util", 0.9) <= 1:
+        raise PlannerError("--gpu-util must be in (0, 1] (vLLM's gpu_memory_utilization)")
+    return Cluster(**fields)
+
+
+@dataclass
+class Row:
+    key: str
+    label: str
+    tokens: int | None = None  # KV tokens one engine holds (at this request length)
+    requests: int | None = None  # concurrent requests one engine holds
+    cluster_requests: int | None = None
+    device_bytes: int = 0  # per GPU
+    host_bytes: int = 0  # per GPU, host memory the scheme uses
+    note: str = ""
+    error: str | None = None
+    layout: Any = None  # the engine's UlaLayout for ulacache rows
+    host_pool_gib: float | None = None  # ulacache rows: the --ula-host-pool-gib used
+
+
+@dataclass
+class Plan:
+    model: ModelShape
+    cluster: Cluster
+    request_tokens: int
+    kv_dtype: str
+    block_size: int
+    weights_per_gpu: float
+    kv_budget: int  # device bytes per GPU for KV
+    rows: list[Row] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+    ula_host_pool_gib: float | None = None  # given; else the largest that starts
+
+    def row(self, key: str) -> Row:
+        return next(r for r in self.rows if r.key == key)
+
+    @property
+    def base_key(self) -> str:
+        return "stock" if self.model.kind == "dsa" else "hma_stock"
+
+    def gain(self, key: str, base: str | None = None) -> tuple[float | None, int | None]:
+        """(ratio, extra requests) of row ``key`` over ``base`` (stock), cluster-wide."""
+        a, b = self.row(key).cluster_requests, self.row(base or self.base_key).cluster_requests
+        if a is None or b is None:
+            return None, None
+        return (a / b if b else math.inf), a - b
+
+
+# ---------------------------------------------------------------- the VllmConfig stand-in
+
+class _CacheConfig:
+    num_gpu_blocks_override = None
+    prefix_cache_retention_interval = None
+
+    def __init__(self, layout: str, mamba_cache_mode: str):
+        self.kv_cache_layout = layout
+        self.mamba_cache_mode = mamba_cache_mode
+
+    def get_resolved_kv_cache_layout(self):
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+
+        return KVCacheLayout[self.kv_cache_layout]
+
+
+def vllm_config(model: ModelShape, cluster: Cluster, request_tokens: int, *,
+                layout: str = "LBHNC", hisparse: bool = False, mamba_cache_mode: str = "none"):
+    """The fields of `VllmConfig` that vLLM's sizing functions and `plan_layout` read, for one
+    engine of ``cluster`` serving requests of ``request_tokens`` (= max_model_len)."""
+    from ulacache_vllm.engine.sizing import DEFAULTED_KEY
+
+    hf = SimpleNamespace(**model.config)
+    hisparse_config = None
+    if hisparse:
+        from vllm.config.attention import HiSparseConfig
+
+        hisparse_config = HiSparseConfig()
+    sched = SimpleNamespace(
+        max_num_batched_tokens=cluster.max_num_batched_tokens,
+        max_num_scheduled_tokens=cluster.max_num_batched_tokens,
+        enable_chunked_prefill=cluster.chunked_prefill, max_num_seqs=cluster.max_num_seqs,
+        disable_hybrid_kv_cache_manager=False)
+    return SimpleNamespace(
+        model_config=SimpleNamespace(max_model_len=request_tokens, hf_config=hf,
+                                     hf_text_config=hf),
+        scheduler_config=sched,
+        cache_config=_CacheConfig(layout, mamba_cache_mode),
+        parallel_config=SimpleNamespace(
+            tensor_parallel_size=cluster.tp, data_parallel_size=cluster.dp,
+            pipeline_parallel_size=1, decode_context_parallel_size=1,
+            prefill_context_parallel_size=1),
+        attention_config=SimpleNamespace(hisparse_config=hisparse_config),
+        speculative_config=None, max_concurrent_batches=1,
+        max_in_flight_tokens=cluster.max_num_batched_tokens,
+        additional_config={DEFAULTED_KEY: ["max_num_batched_tokens"]}
+        if cluster.batch_tokens_defaulted else {})
+
+
+# ---------------------------------------------------------------- budget
+
+def weights_per_gpu(model: ModelShape, cluster: Cluster, experts_over: str) -> float:
+    """Dense weights split over TP; routed experts over TP x DP (expert parallelism over the
+    whole cluster, ``experts_over='gpus'``) or over TP only."""
+    for dt in (model.weights_dtype, model.expert_weights_dtype):
+        if dt not in WEIGHT_BYTES:
+            raise PlannerError(f"unknown weights dtype {dt!r}; one of {', '.join(WEIGHT_BYTES)}")
+    ep = cluster.tp * cluster.dp if experts_over == "gpus" else cluster.tp
+    return (model.dense_params * WEIGHT_BYTES[model.weights_dtype] / cluster.tp
+            + model.expert_params * WEIGHT_BYTES[model.expert_weights_dtype] / ep)
+
+
+def kv_budget(model: ModelShape, cluster: Cluster, experts_over: str) -> tuple[int, float]:
+    w = weights_per_gpu(model, cluster, experts_over)
+    if cluster.kv_bytes_per_gpu is not None:
+        return int(cluster.kv_bytes_per_gpu), w
+    kv = int(cluster.gpu_gib * GIB * cluster.gpu_util - w - cluster.activation_reserve_gib * GIB)
+    if kv <= 0:
+        raise PlannerError(
+            f"no KV memory left: {cluster.gpu_gib:g} GiB x {cluster.gpu_util:g} utilisation - "
+            f"{w / GIB:.1f} GiB weights per GPU - {cluster.activation_reserve_gib:g} GiB "
+            f"activation reserve = {kv / GIB:.1f} GiB. Use more GPUs or a larger --tp, a "
+            f"smaller --weights-dtype, or lower --activation-reserve-gib.")
+    return kv, w
+
+
+# ---------------------------------------------------------------- schemes
+
+def _blocks_per_request(request_tokens: int, block_size: int) -> int:
+    return -(-request_tokens // block_size)
+
+
+def _vllm_concurrency(cfg, kv_cfg) -> float:
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    usable = dataclasses.replace(kv_cfg, num_blocks=kv_cfg.num_blocks - 1)  # null block
+    return get_max_concurrency_for_kv_cache_config(cfg, usable)
+
+
+def stock_row(plan: Plan, specs: dict, key: str, label: str, mamba_cache_mode="none") -> Row:
+    from vllm.v1.core.kv_cache_utils import (
+        get_kv_cache_config_from_groups,
+        get_kv_cache_groups,
+    )
+
+    cfg = vllm_config(plan.model, plan.cluster, plan.request_tokens,
+                      mamba_cache_mode=mamba_cache_mode)
+    groups = get_kv_cache_groups(cfg, dict(specs))
+    kv_cfg = get_kv_cache_config_from_groups(cfg, groups, plan.kv_budget)
+    conc = _vllm_concurrency(cfg, kv_cfg)
+    n = int(conc)
+    return Row(key, label, tokens=int(conc * plan.request_tokens), requests=n,
+               cluster_requests=n * plan.cluster.dp, device_bytes=plan.kv_budget)
+
+
+def hisparse_shared_ranks(cluster: Cluster) -> int:
+    """TP ranks sharing vLLM's HiSparse host pool: all of an engine's ranks when TP > 1 and
+    they sit on one node (vLLM also needs no PP/CP and the mp executor); else none (1)."""
+    return cluster.tp if 1 < cluster.tp <= cluster.gpus_per_node else 1
+
+
+def hisparse_row(plan: Plan, specs: dict, shared: bool) -> Row:
+    from vllm.v1.hisparse.layout import (
+        get_hisparse_kv_cache_config,
+        get_hisparse_kv_cache_groups,
+        get_hisparse_steady_state_concurrency,
+    )
+    from vllm.v1.hisparse.runtime import get_hisparse_host_block_stride
+
+    cl = plan.cluster
+    ranks = hisparse_shared_ranks(cl) if shared else 1
+    key = "hisparse_shared" if shared else "hisparse_per_rank"
+    label = ("vLLM 0.32 HiSparse, one host pool per node" if shared
+             else "HiSparse, host copy per rank")
+    if shared and ranks == 1:
+        why = "TP=1" if cl.tp == 1 else f"TP={cl.tp} spans nodes of {cl.gpus_per_node} GPUs"
+        return Row(key, label, error=f"no shared pool ({why}): same as a host copy per rank")
+    cfg = vllm_config(plan.model, cl, plan.request_tokens, layout="BLHNC", hisparse=True)
+    host_budget = int(cl.host_gib_per_gpu * GIB) * ranks
+    try:
+        groups = get_hisparse_kv_cache_groups(cfg, dict(specs))
+        kv_cfg = get_hisparse_kv_cache_config(cfg, groups, plan.kv_budget, host_budget)
+    except ValueError as e:
+        return Row(key, label, error=f"does not start: {e}")
+    source = next(g for g in kv_cfg.kv_cache_groups if g.host_resident)
+    stride = get_hisparse_host_block_stride(source.kv_cache_spec.page_size_bytes,
+                                            use_shared_host_pool=shared)
+    host_blocks = host_budget // stride
+    kv_cfg = dataclasses.replace(kv_cfg, num_blocks=kv_cfg.num_blocks - 1,
+                                 hisparse_host_num_blocks=host_blocks - 1)  # null blocks
+    conc = get_hisparse_steady_state_concurrency(cfg, kv_cfg)
+    n = int(conc)
+    return Row(key, label, tokens=int(conc * plan.request_tokens), requests=n,
+               cluster_requests=n * cl.dp, device_bytes=plan.kv_budget,
+               host_bytes=host_blocks * stride // ranks,
+               note=(f"host pool {host_blocks * stride / GIB:.0f} GiB shared by {ranks} ranks"
+                     if shared else "each rank pins its own copy of every MLA row"))
+
+
+def ulacache_row(plan: Plan, specs: dict, tp_mode: str, host_pool_gib: float | None = None
+                 ) -> Row:
+    """The engine's layout for this budget. The host pool is ``host_pool_gib`` when given
+    (the engine's behaviour as is, a defaulted step budget lowered if it must be), else the
+    largest pool up to the host memory per GPU with which the engine starts with the
+    scheduler's step budget unchanged: every host token keeps its indexer key on the device,
+    so a larger pool leaves the device pool too small for one step (plan_layout decides each
+    probe)."""
+    from ulacache_vllm.engine import sizing
+    from ulacache_vllm.engine.config import KVBackendError, UlaSettings
+
+    cl = plan.cluster
+    key = "ulacache_shard" if tp_mode == "shard" else "ulacache_dp"
+    label = "ulacache TP shard" if tp_mode == "shard" else "ulacache DP (TP ranks replicate)"
+    if tp_mode == "shard" and cl.tp == 1:
+        return Row(key, label, error="TP=1: nothing to shard (same as ulacache DP)")
+    cfg = vllm_config(plan.model, cl, plan.request_tokens)
+    if host_pool_gib is None:
+        cfg.additional_config = {}  # the step budget as configured: never lowered
+
+    def layout(gib: float):
+        settings = UlaSettings(host_pool_gib=gib, tp_mode=tp_mode)
+        return sizing.plan_layout(cfg, dict(specs), plan.kv_budget, settings)
+
+    capped = None
+    gib = host_pool_gib if host_pool_gib is not None else cl.host_gib_per_gpu
+    try:
+        lay = layout(gib)
+    except KVBackendError as e:
+        if host_pool_gib is not None or "device pool too small" not in str(e):
+            return Row(key, label, error=f"does not start: {e}")
+        lay, capped, err = _largest_starting_pool(plan, tp_mode, layout,
+                                                  sizing.split_specs(specs)[0])
+        if lay is None:
+            return Row(key, label, error=f"does not start with any host pool: {err}")
+        gib = capped
+    n = (lay.num_logical // lay.block_size) // _blocks_per_request(plan.request_tokens,
+                                                                    lay.block_size)
+    M = sum(lay.mla_row_bytes.values())
+    note = (f"per rank: {lay.device_slots} device + {lay.host_slots} host"
+            + (f" + {lay.remote_slots} remote-buffer" if lay.shards > 1 else "")
+            + " rows/layer")
+    if capped is not None:
+        note += (f"; host pool capped at {capped:.3f} GiB/GPU: a larger one's indexer keys "
+                 f"leave the device no room for one step, and the device pool is at its "
+                 f"minimum (a smaller --ula-host-pool-gib buys device rows back)")
+    if lay.batch_tokens_lowered:
+        note += (f"; max_num_batched_tokens lowered {lay.batch_tokens_lowered[0]} -> "
+                 f"{lay.batch_tokens_lowered[1]}")
+    return Row(key, label, tokens=lay.num_logical, requests=n, cluster_requests=n * cl.dp,
+               device_bytes=plan.kv_budget, host_bytes=lay.host_slots * M, note=note,
+               layout=lay, host_pool_gib=gib)
+
+
+def _largest_starting_pool(plan: Plan, tp_mode: str, layout, mla_specs: dict):
+    """(layout, GiB, last error) of the largest host pool, in MiB steps, that starts: from the
+    least that holds one request's share (the engine's own floor) up to the host memory."""
+    from ulacache_vllm.engine.config import KVBackendError
+
+    M = sum(s.page_size_bytes // s.block_size for s in mla_specs.values())
+    S = plan.cluster.tp if tp_mode == "shard" else 1
+    need = -(-plan.request_tokens // S) + plan.block_size  # one share, whole blocks
+    lo, hi = -(-need * M // (1 << 20)), int(plan.cluster.host_gib_per_gpu * 1024)
+    try:
+        best = layout(lo / 1024)
+    except KVBackendError as e:
+        return None, None, e
+    while lo < hi:  # lo starts; find the largest that does
+        mid = (lo + hi + 1) // 2
+        try:
+            best, lo = layout(mid / 1024), mid
+        except KVBackendError:
+            hi = mid - 1
+    return best, lo / 1024, None
+
+
+def natural_row(plan: Plan) -> Row:
+    """Hybrids with natural page sizes: a state page of exactly the state's bytes per
+    Gated-DeltaNet layer, a sliding-window layer's window as one state of exactly `window`
+    tokens, full-attention pages of 32-token blocks; every page size in its own exactly-fitted
+    pool (no padding, no shared block size)."""
+    m, cl, L = plan.model, plan.cluster, plan.request_tokens
+    tok = attention_token_bytes(m, plan.kv_dtype, cl.tp)
+    full_tokens = -(-L // NATURAL_ATTENTION_BLOCK) * NATURAL_ATTENTION_BLOCK
+    per_req = 0
+    for t in m.config["layer_types"]:
+        if t == "full_attention":
+            per_req += full_tokens * tok
+        elif t == "sliding_attention":
+            per_req += min(m.config["sliding_window"], L) * tok
+        else:
+            per_req += state_bytes(*gdn_state(m, cl.tp))
+    n = plan.kv_budget // per_req
+    return Row("natural", "natural page sizes (model)", tokens=n * L, requests=n,
+               cluster_requests=n * cl.dp, device_bytes=plan.kv_budget,
+               note=f"{per_req / 2**20:.1f} MiB per request per rank")
+
+
+# ---------------------------------------------------------------- the plan
+
+def plan(model: ModelShape, cluster: Cluster, request_tokens: int, *,
+         kv_dtype: str | None = None, experts_over: str = "gpus",
+         block_size: int | None = None, ula_host_pool_gib: float | None = None) -> Plan:
+    if request_tokens < 1:
+        raise PlannerError("--request-tokens must be at least 1")
+    if model.max_len and request_tokens > model.max_len:
+        raise PlannerError(
+            f"a request of {request_tokens} tokens is longer than {model.name} supports "
+            f"(max_position_embeddings {model.max_len}); pass --request-tokens "
+            f"{model.max_len} or less.")
+    if experts_over not in ("gpus", "tp"):
+        raise PlannerError("--experts-over must be 'gpus' (expert parallelism over TP x DP) "
+                           "or 'tp'")
+    kvd = kv_dtype_of(model, kv_dtype)
+    budget, w = kv_budget(model, cluster, experts_over)
+    bs = block_size or (DSA_BLOCK_SIZE if model.kind == "dsa" else 16)
+    p = Plan(model, cluster, request_tokens, kvd, bs, w, budget,
+             ula_host_pool_gib=ula_host_pool_gib)
+    if model.kind == "dsa":
+        specs = dsa_specs(model, kvd, bs)
+        p.rows.append(stock_row(p, specs, "stock", "stock vLLM (KV replicated per TP rank)"))
+        p.rows.append(hisparse_row(p, specs, shared=False))
+        p.rows.append(hisparse_row(p, specs, shared=True))
+        p.rows.append(ulacache_row(p, specs, "replicate", ula_host_pool_gib))
+        p.rows.append(ulacache_row(p, specs, "shard", ula_host_pool_gib))
+    else:
+        specs, bs = hybrid_specs(model, kvd, cluster.tp, block_size=bs)
+        p.block_size = bs
+        mode = "align" if model.kind == "gdn" else "none"
+        p.rows.append(stock_row(p, specs, "hma_stock", "stock vLLM, HMA page geometry",
+                                mamba_cache_mode=mode))
+        p.rows.append(natural_row(p))
+        why = "not a DSA model: HiSparse and ulacache serve sparse-MLA (DSA) models only"
+        for key, label in (("hisparse_per_rank", "HiSparse, host copy per rank"),
+                           ("hisparse_shared", "vLLM 0.32 HiSparse, one host pool per node"),
+                           ("ulacache_dp", "ulacache DP (TP ranks replicate)"),
+                           ("ulacache_shard", "ulacache TP shard")):
+            p.rows.append(Row(key, label, error=why))
+    p.assumptions = assumptions(p, experts_over)
+    return p
+
+
+def assumptions(p: Plan, experts_over: str) -> list[str]:
+    m, cl, L = p.model, p.cluster, p.request_tokens
+    ep = cl.tp * cl.dp if experts_over == "gpus" else cl.tp
+    out = list(m.notes) + list(cl.notes)
+    out.append(f"cluster: {cl.gpus} GPUs = DP {cl.dp} engines x TP {cl.tp}; "
+               f"{cl.gpus_per_node} GPUs per node")
+    wb, eb = WEIGHT_BYTES[m.weights_dtype], WEIGHT_BYTES[m.expert_weights_dtype]
+    out.append(
+        f"weights per GPU {p.weights_per_gpu / GIB:.1f} GiB = dense {m.dense_params / 1e9:.1f}B "
+        f"params x {wb:g} B ({m.weights_dtype}) / TP {cl.tp} + routed experts "
+        f"{m.expert_params / 1e9:.1f}B x {eb:g} B ({m.expert_weights_dtype}) / EP {ep} "
+        + ("(expert parallelism over all TP x DP GPUs)" if experts_over == "gpus"
+           else "(experts over the TP ranks only)")
+        + "; replicated small projections, norms, biases, FP8 block scales and the MTP "
+          "layer are left out")
+    if cl.kv_bytes_per_gpu is not None:
+        out.append(f"KV budget per GPU given directly: {p.kv_budget} bytes "
+                   f"({p.kv_budget / GIB:.2f} GiB)")
+    else:
+        out.append(
+            f"KV budget per GPU {p.kv_budget / GIB:.1f} GiB = {cl.gpu_gib:g} GiB x "
+            f"{cl.gpu_util:g} (gpu_memory_utilization) - weights - "
+            f"{cl.activation_reserve_gib:g} GiB activation/CUDA-graph reserve "
+            f"(--activation-reserve-gib)")
+    out.append(f"every request is {L} tokens (prompt + output) and is the engine's "
+               f"max_model_len; counts are concurrent requests whose KV fits, not throughput")
+    if m.kind == "dsa":
+        mla = sum(s.page_size_bytes for n, s in dsa_specs(m, p.kv_dtype, 1).items()
+                  if not n.endswith("k_cache"))
+        idx = sum(s.page_size_bytes for n, s in dsa_specs(m, p.kv_dtype, 1).items()
+                  if n.endswith("k_cache"))
+        out.append(f"KV per token: MLA {mla} B ({p.kv_dtype} rows, "
+                   f"{m.config['num_hidden_layers']} layers) + indexer keys {idx} B; "
+                   f"block size {p.block_size}")
+        out.append("stock: vLLM's get_kv_cache_groups / get_kv_cache_config_from_groups / "
+                   "get_max_concurrency_for_kv_cache_config; MLA specs have max_tp_shards=1, "
+                   "so every TP rank holds every token's MLA row and indexer key")
+        out.append(
+            f"HiSparse: vLLM 0.32's HiSparse layout and steady-state concurrency "
+            f"(device: indexer keys of every token + a hot buffer of 2 x index_topk rows "
+            f"and 2 resident tail pages per layer group; host: every MLA row, a copy, not "
+            f"exclusive). Host copy per rank: each rank pins {cl.host_gib_per_gpu:g} GiB. "
+            f"Shared: one pool of {cl.host_gib_per_gpu:g} GiB x {hisparse_shared_ranks(cl)} "
+            f"ranks per engine (vLLM shares it when TP > 1 within a node, no PP/CP)")
+        pool = (f"{p.ula_host_pool_gib:g} (given)" if p.ula_host_pool_gib is not None else
+                f"{cl.host_gib_per_gpu:g} (or the largest smaller pool the engine starts with)")
+        out.append(
+            f"ulacache: engine.sizing.plan_layout with UlaSettings(host_pool_gib="
+            f"{pool}, tp_mode=replicate|shard): device = indexer keys of "
+            f"every logical token (of its share in shard mode) + device MLA rows + 1 B/token "
+            f"placeholders per layer; host pool per rank; exclusive residency (logical = "
+            f"device + host rows); shard mode: token t on rank t mod {cl.tp}, minus a "
+            f"remote-row buffer (default: max_num_seqs x index_topk rows, at most 1/16 of "
+            f"the device rows)")
+        out.append(f"scheduler: max_num_batched_tokens {cl.max_num_batched_tokens} "
+                   f"({'vLLM default' if cl.batch_tokens_defaulted else 'given'}), "
+                   f"max_num_seqs {cl.max_num_seqs}, chunked prefill "
+                   f"{'on' if cl.chunked_prefill else 'off'} (ulacache's startup checks and "
+                   f"remote buffer read them)")
+    else:
+        tok = attention_token_bytes(m, p.kv_dtype, cl.tp)
+        heads = m.config["num_key_value_heads"]
+        out.append(f"attention KV per token per layer per rank: {tok} B ({p.kv_dtype}; "
+                   f"{heads} KV heads over TP {cl.tp}: {max(1, heads // cl.tp)} per rank"
+                   + (f", replicated {cl.tp // heads}x" if cl.tp > heads else "") + ")")
+        if m.kind == "gdn":
+            st = state_bytes(*gdn_state(m, cl.tp))
+            out.append(
+                f"stock HMA: attention block {p.block_size} tokens so that its page "
+                f"({p.block_size * tok} B) holds one GDN state ({st} B, padded up to the "
+                f"page); mamba_cache_mode 'align' (prefix caching on, vLLM's default for "
+                f"hybrids): 2 state pages per GDN layer group per request; vLLM's own "
+                f"grouping and concurrency functions")
+            out.append(f"natural pages: one {st} B state per GDN layer per request, "
+                       f"attention in {NATURAL_ATTENTION_BLOCK}-token pages, each page size "
+                       f"in its own exactly-fitted pool; no prefix-cache state checkpoints")
+        else:
+            out.append(
+                f"stock HMA: {p.block_size}-token blocks (FlashAttention); a sliding layer "
+                f"reserves window - 1 + max_num_batched_tokens ({cl.max_num_batched_tokens}) "
+                f"tokens per request (vLLM's admission bound for tokens in flight); vLLM's "
+                f"own grouping and concurrency functions")
+            out.append(f"natural pages: a sliding layer holds exactly its "
+                       f"{m.config['sliding_window']}-token window (steady decode; prefill "
+                       f"chunks in flight not reserved), full attention in "
+                       f"{NATURAL_ATTENTION_BLOCK}-token pages, exactly-fitted pools")
+        out.append("HiSparse and ulacache rows do not apply (they serve DSA sparse-MLA models)")
+    out.append("not modelled: prefix-cache reuse, speculative decoding, fragmentation from "
+               "mixed request lengths, PCIe / NVLink bandwidth (capacity only)")
+    return out
