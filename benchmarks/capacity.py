@@ -38,6 +38,10 @@ def _worker(cfg: dict) -> dict:
     kw = dict(kv_cache_memory_bytes=cfg["kv_bytes"], kv_backend=cfg["backend"])
     if cfg["backend"] == "ulacache":
         kw["ula_host_pool_gib"] = cfg["host_bytes"] / (1 << 30)
+        if cfg.get("tp_mode"):
+            kw["ula_tp_mode"] = cfg["tp_mode"]
+    if cfg.get("tp", 1) > 1:
+        kw["tensor_parallel_size"] = cfg["tp"]
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0,
               max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
               disable_log_stats=False, **kw)
@@ -94,7 +98,14 @@ def _worker(cfg: dict) -> dict:
     res["tpot_ms"] = 1000 * statistics.median(
         [t for t, d in zip(one["step_times"], one["decode_only"]) if d])
     if cfg["backend"] == "ulacache":
-        res["usage"] = llm.collective_rpc("ulacache_usage")[0]
+        ranks = llm.collective_rpc("ulacache_usage")
+        res["usage"] = ranks[0]
+        res["token_capacity"] = ranks[0]["num_logical"]
+        res["remote"] = [{k: u["totals"][k] for k in ("remote_rows_fetched", "remote_hits",
+                                                      "remote_lookups")} for u in ranks]
+    else:
+        cc = llm.llm_engine.vllm_config.cache_config
+        res["token_capacity"] = cc.num_gpu_blocks * cc.block_size
     from _host import engine_path
 
     res["engine_path"] = engine_path(llm, res.get("usage"))
@@ -105,6 +116,9 @@ def _worker(cfg: dict) -> dict:
 def _spawn(cfg: dict) -> dict:
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if cfg.get("tp", 1) > 1 and (os.cpu_count() or 1) <= cfg["tp"]:
+        # One OpenMP thread per rank on a small host (vLLM's CPU default reserves cores).
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg["tp"])))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(__file__).resolve().parent),
                                                     env.get("PYTHONPATH", "")) if p)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -140,12 +154,16 @@ def main() -> None:
     ap.add_argument("--eq-batch", type=int, default=4, help="batch for the equal-batch step time")
     ap.add_argument("--eq-prompt-tokens", type=int, default=256)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: stock TP=P vs "
+                    "ulacache TP=P replicate and shard at equal per-rank memory (D and H per rank)")
     ap.add_argument("--out", default=str(RESULTS), help="directory for the JSON and the plot")
     args = ap.parse_args()
     if args.worker:
         res = _worker(json.loads(args.worker))
         print(MARK + json.dumps(res), flush=True)
         return
+    if args.tp > 1:
+        return main_tp(args)
     if args.quick:
         args.num_requests, args.output_tokens, args.tpot_tokens = 12, 16, 32
     model = args.model or _build_default_model()
@@ -204,6 +222,106 @@ def main() -> None:
         default=str))
     _plot(results, summary, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def _min_host_bytes(model: str, max_model_len: int, shards: int, dtype: str) -> int:
+    """The smallest host pool ulacache accepts: one request's share per rank (+ a block)."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    layers = cfg["num_hidden_layers"]
+    row = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return (-(-max_model_len // shards) + 128) * layers * row * size
+
+
+def main_tp(args) -> None:
+    """``--tp P``: stock TP=P against ulacache TP=P replicate and shard, D (and H) per rank."""
+    P = args.tp
+    if args.quick:
+        args.num_requests, args.output_tokens, args.tpot_tokens = 24, 16, 32
+    model = args.model or _build_default_model()
+    base = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=max(args.num_requests, 1), num_requests=args.num_requests,
+                prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                tpot_tokens=args.tpot_tokens, timeout=2400, tp=P,
+                eq_batch=args.eq_batch, eq_prompt_tokens=args.eq_prompt_tokens)
+    D, H = args.device_bytes, args.host_bytes
+    h_rep = _min_host_bytes(model, args.max_model_len, 1, args.dtype)
+    h_shard = _min_host_bytes(model, args.max_model_len, P, args.dtype)
+    t = f"tp{P}"
+    configs = [
+        dict(base, name=f"stock-{t}", backend="vllm", kv_bytes=D, host_bytes=0),
+        dict(base, name=f"stock-{t}-D+H", backend="vllm", kv_bytes=D + H, host_bytes=0),
+        dict(base, name=f"ula-{t}-replicate", backend="ulacache", kv_bytes=D,
+             host_bytes=h_rep, tp_mode="replicate"),
+        dict(base, name=f"ula-{t}-shard", backend="ulacache", kv_bytes=D,
+             host_bytes=h_shard, tp_mode="shard"),
+        dict(base, name=f"ula-{t}-replicate-host", backend="ulacache", kv_bytes=D,
+             host_bytes=H, tp_mode="replicate"),
+        dict(base, name=f"ula-{t}-shard-host", backend="ulacache", kv_bytes=D,
+             host_bytes=H, tp_mode="shard"),
+    ]
+    results = {}
+    for c in configs:
+        print(f"running {c['name']} ...", flush=True)
+        results[c["name"]] = _spawn(c)
+    stock, bound = results[f"stock-{t}"], results[f"stock-{t}-D+H"]
+    shard, shard_h = results[f"ula-{t}-shard"], results[f"ula-{t}-shard-host"]
+    rep = results[f"ula-{t}-replicate"]
+    summary = {
+        "shard_vs_stock_tokens": shard["token_capacity"] / stock["token_capacity"],
+        "replicate_vs_stock_tokens": rep["token_capacity"] / stock["token_capacity"],
+        # Physical bound of P ranks with D + H each holding distinct tokens at stock's bytes
+        # per token: P x what stock holds in D + H (stock replicates, so its TP=P holds 1x).
+        "shard_host_vs_physical_bound": shard_h["token_capacity"] / (P * bound["token_capacity"]),
+        "shard_vs_stock_peak_running": shard["peak_running"] / max(1, stock["peak_running"]),
+        "tpot_ratio_shard_vs_stock": shard["tpot_ms"] / stock["tpot_ms"],
+        "tpot_ratio_replicate_vs_stock": rep["tpot_ms"] / stock["tpot_ms"],
+    }
+    from _host import cpu_host
+
+    host = cpu_host()
+    print(f"\nhost: {host['cpu']} ({host['cores']} cores), vLLM CPU MLA path: {host['mla_path']}")
+    print(f"workload: {args.num_requests} requests x {args.prompt_tokens} prompt tokens, "
+          f"{args.output_tokens} output tokens; TP={P}; per rank D={D} B device, H={H} B host "
+          f"(minimal host pools: replicate {h_rep} B, shard {h_shard} B)\n")
+    print(f"{'config':<24} {'tokens':>8} {'peak running':>12} {'out tok/s':>10} "
+          f"{'TPOT b=1 ms':>12}")
+    for name, r in results.items():
+        print(f"{name:<24} {r['token_capacity']:>8} {r['peak_running']:>12} "
+              f"{r['output_tok_s']:>10.1f} {r['tpot_ms']:>12.2f}")
+    print(f"\nshard holds {summary['shard_vs_stock_tokens']:.2f}x the tokens of stock TP={P} "
+          f"(replicate {summary['replicate_vs_stock_tokens']:.2f}x); with the host pool "
+          f"{summary['shard_host_vs_physical_bound']:.0%} of the physical bound P*(D+H); "
+          f"batch-1 TPOT shard/stock = {summary['tpot_ratio_shard_vs_stock']:.3f}, "
+          f"replicate/stock = {summary['tpot_ratio_replicate_vs_stock']:.3f}")
+    for name, r in results.items():
+        if "remote" in r:
+            print(f"  {name}: remote rows fetched / buffer hits per rank: "
+                  + ", ".join(f"{x['remote_rows_fetched']}/{x['remote_hits']}" for x in r["remote"]))
+    out = Path(args.out) / (f"capacity_tp{P}_quick" if args.quick else f"capacity_tp{P}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"args": vars(args), "host": host, "results": results, "summary": summary}, indent=2,
+        default=str))
+    _plot_tp(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def _plot_tp(results, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for a, key, title in zip(ax, ("token_capacity", "output_tok_s", "tpot_ms"),
+                             ("KV tokens held", "output tokens / s", "TPOT, batch 1 (ms)")):
+        a.bar(range(len(names)), [results[n][key] for n in names], color="#2a7")
+        a.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        a.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _plot(results, summary, path) -> None:

@@ -270,3 +270,27 @@ def test_one_settings_table_drives_flags_help_and_readme(parser):
     table = table[table.index("| flag"):]
     assert table == ula_config.settings_markdown(), \
         "README settings table is stale: paste `python -m ulacache_vllm.engine.config`"
+
+
+def test_tp_shard_mode_refuses_what_it_does_not_support_yet():
+    from types import SimpleNamespace as NS
+
+    from ulacache_vllm.engine.wiring import check_tp_mode
+
+    def cfg(tp=2, pp=1, dcp=1, spec=None, bs=16):
+        return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                     decode_context_parallel_size=dcp,
+                                     prefill_context_parallel_size=1),
+                  speculative_config=spec, cache_config=NS(block_size=bs))
+
+    shard, rep = ula_config.UlaSettings(), ula_config.UlaSettings(tp_mode="replicate")
+    check_tp_mode(cfg(), shard)
+    check_tp_mode(cfg(tp=1, pp=2), shard)  # TP=1: nothing is sharded
+    for bad, match in ((cfg(pp=2), "pipeline parallelism"),
+                       (cfg(dcp=2), "decode_context_parallel_size"),
+                       (cfg(spec=NS(method="mtp")), "speculative decoding"),
+                       (cfg(tp=3), "--block-size 48")):
+        with pytest.raises(ula_config.KVBackendError, match=match) as e:
+            check_tp_mode(bad, shard)
+        assert "--ula-tp-mode replicate" in str(e.value)
+        check_tp_mode(bad, rep)  # replicate runs them as before

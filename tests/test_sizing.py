@@ -135,3 +135,62 @@ def test_lowering_keeps_room_for_a_decode_step_of_every_sequence():
     lay = plan_layout(_config(batched=4096, chunked=True, defaulted=True, max_seqs=64),
                       _specs(), budget, host)
     assert lay.batch_tokens_lowered == (4096, 64)
+
+
+def _tp(cfg, tp):
+    cfg.parallel_config = SimpleNamespace(tensor_parallel_size=tp)
+    return cfg
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_shard_mode_holds_p_times_the_tokens_of_replicate_in_the_same_per_rank_memory(P):
+    """Per rank: its share of the indexer keys, its device pool, a remote-row buffer and its
+    host pool; the logical space is P x the per-rank slots."""
+    row, idx = 2 * 576 * 4, 2 * 132  # bytes per token: MLA rows, indexer keys
+    budget = 6_000_000
+    host = UlaSettings(host_pool_gib=0.006, tp_mode="replicate")
+    rep = plan_layout(_tp(_config(batched=512), P), _specs_indexer(), budget, host)
+    sh = plan_layout(_tp(_config(batched=512), P), _specs_indexer(), budget,
+                     UlaSettings(host_pool_gib=0.006, remote_buffer_rows=64))
+    assert (rep.shards, sh.shards, sh.tp_mode) == (1, P, "shard")
+    assert sh.num_logical == P * (sh.device_slots + sh.host_slots)
+    assert sh.remote_slots == 64 and sh.num_logical % BS == 0
+    assert abs(sh.host_slots - rep.host_slots) < BS  # the same host pool per rank (whole blocks)
+    # The device pool per rank loses only the remote buffer and gains the indexer keys it
+    # no longer replicates: more than P x the replicated device tokens minus the buffer.
+    assert P * sh.device_slots >= P * rep.device_slots - P * 64 - P * BS
+    assert sh.num_logical >= 0.95 * P * rep.num_logical
+    # What vLLM still allocates is placeholders (1 byte per layer per logical token).
+    assert "TP shard mode" in sh.summary(1024) and str(sh.num_logical) in sh.summary(1024)
+
+
+def _specs_indexer(layers=2):
+    out = {}
+    for i in range(layers):
+        out[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
+            block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.float32,
+            cache_role=SparseCacheRole.SPARSE)
+        out[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=BS, num_kv_heads=1, head_size=132, dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER)
+    return out
+
+
+def test_shard_mode_refuses_a_block_size_that_p_does_not_divide():
+    with pytest.raises(KVBackendError, match=r"block_size % tensor_parallel_size.*--block-size 48"):
+        plan_layout(_tp(_config(batched=512), 3), _specs_indexer(), 6_000_000,
+                    UlaSettings(host_pool_gib=0.006))
+
+
+def test_shard_mode_host_pool_needs_only_one_request_s_share_per_rank():
+    row = 2 * 576 * 4
+    gib = 600 * row / 2**30  # 600 tokens per rank: 1024 / 2 = 512 fit, 1024 do not
+    with pytest.raises(KVBackendError, match="max_model_len=1024"):
+        plan_layout(_tp(_config(batched=512), 2), _specs_indexer(), 6_000_000,
+                    UlaSettings(host_pool_gib=gib, tp_mode="replicate"))
+    lay = plan_layout(_tp(_config(batched=512), 2), _specs_indexer(), 6_000_000,
+                      UlaSettings(host_pool_gib=gib))
+    assert lay.shards == 2 and lay.host_slots >= 512
+    with pytest.raises(KVBackendError, match="one request's share per rank"):
+        plan_layout(_tp(_config(batched=512, max_len=2048), 2), _specs_indexer(), 6_000_000,
+                    UlaSettings(host_pool_gib=gib))

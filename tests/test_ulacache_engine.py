@@ -32,7 +32,8 @@ res["prompt_lens"] = [len(o.prompt_token_ids) for o in llm.generate(prompts, gre
 def usage():
     if ARGS["backend"] != "ulacache":
         return None
-    return llm.collective_rpc("ulacache_usage")[0]
+    ranks = llm.collective_rpc("ulacache_usage")
+    return ranks[0] if len(ranks) == 1 else ranks
 
 # Abort two requests mid-decode; the survivors must still match the reference.
 eng = llm.llm_engine
@@ -289,3 +290,31 @@ def test_tensor_parallel_2_shard_parity_under_pressure(stock_tp2, name):
     assert m["vllm:ulacache_remote_rows_fetched"] == sum(
         u["totals"]["remote_rows_fetched"] for u in ula["usage"]), m
     assert m["vllm:ulacache_promotions"] == sum(u["totals"]["promotions"] for u in ula["usage"])
+
+
+def test_tensor_parallel_2_shard_aborts_and_preemption(stock_tp2, tiny_model):
+    """TP=2 shard mode through the abort and preemption script: aborted requests free their
+    rows on both ranks, survivors and preempted-then-resumed requests equal stock TP=2, and
+    every pool and remote buffer is empty at the end."""
+    model = str(tiny_model("deepseek_v32"))
+    tp = {"tensor_parallel_size": 2}
+    ref = run_vllm_script(SCRIPT, args={"model": model, "backend": "vllm", "kw": {
+        "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES, **tp}}, timeout=900,
+        env=TP_ENV)
+    # ~1.4k device + ~0.6k host slots per rank: ~4k logical tokens, fewer than the long run.
+    ula = run_vllm_script(SCRIPT, args={"model": model, "backend": "ulacache", "kw": {
+        "kv_backend": "ulacache", "kv_cache_memory_bytes": 7_600_000,
+        "ula_host_pool_gib": 0.0025, **tp}}, timeout=900, env=TP_ENV)
+    assert ula["main"] == ref["main"]
+    assert ula["abort_survivors"] == ref["abort_survivors"]
+    assert set(ref["abort_survivors"]) == {"a1", "a3"}
+    assert ula["metrics"]["vllm:num_preemptions"] > 0, ula["metrics"]
+    assert ula["long"] == ref["long"]
+    for key in ("usage_after_abort", "usage_end"):
+        assert len(ula[key]) == 2, ula[key]
+        for u in ula[key]:
+            assert u["tp_mode"] == "shard", u
+            assert u["device_used"] == 0 and u["host_used"] == 0 and u["remote_used"] == 0, (key, u)
+    for u in ula["usage_end"]:
+        t = u["totals"]
+        assert t["demotions"] > 0 and t["promotions"] > 0 and t["remote_rows_fetched"] > 0, t

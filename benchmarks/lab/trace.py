@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ulacache_vllm.core.address_space import LogicalAddressSpace
+from .address_space import LogicalAddressSpace
 from ulacache_vllm.core.pools import CapacityError
 
 FREE, APPEND, SELECT = 0, 1, 2

@@ -1,6 +1,5 @@
 """Engine-free core: logical address space, tiered slot pools, PB-LRU, exact LRU, the TP remote-row buffer (no vLLM import)."""
 
-from .address_space import LogicalAddressSpace
 from .exact_lru import TimestampLRU
 from .mapping import DEVICE, HOST, REMOTE, STAGING, MappingStats, MovePlan, TieredMapping, unpack
 from .pblru import PBLRU
@@ -9,7 +8,7 @@ from .pools import CapacityError, SlotPool
 from .remote_buffer import RemoteBufferStats, RemoteRowBuffer
 
 __all__ = [
-    "LogicalAddressSpace", "TimestampLRU", "DEVICE", "HOST",
+    "TimestampLRU", "DEVICE", "HOST",
     "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
     "PBLRU", "Placement", "CapacityError", "SlotPool",
     "RemoteBufferStats", "RemoteRowBuffer",

@@ -144,7 +144,10 @@ def split_specs(specs: dict) -> tuple[dict, dict, dict]:
 def placeholder_spec(spec):
     """An MLA spec whose pages vLLM allocates as 1 byte per token: the real rows live in the
     ulacache device/host pools, allocated by the worker."""
-    return dataclasses.replace(spec, head_size=1, dtype=torch.uint8, page_size_padded=None)
+    # state_content_bytes (set for packed formats such as fp8_ds_mla's 656 B rows) would
+    # override the 1-byte size; alignment would pad it.
+    return dataclasses.replace(spec, head_size=1, dtype=torch.uint8, page_size_padded=None,
+                               state_content_bytes=None, alignment=None)
 
 
 def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSettings) -> UlaLayout:

@@ -38,6 +38,7 @@ class UlaWorkerExtension:
         # the device pool, or None when the configured value was kept).
         out["batch_tokens_lowered"] = list(lay.batch_tokens_lowered) if lay.batch_tokens_lowered else None
         out["block_size"] = lay.block_size
+        out["num_logical"] = lay.num_logical  # tokens the engine's logical space holds
         out["tp_mode"] = lay.tp_mode
         out["tp_rank"] = store.shard.rank if store.shard else 0
         out["tp_world"] = lay.tp_world
