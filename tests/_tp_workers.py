@@ -104,6 +104,7 @@ def skewed_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     json.dump({"errors": errors, "totals": c, "mid": usage_mid, "end": usage_end,
                "identity": store.identity},
               open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -117,10 +118,59 @@ def diverging_worker(rank: int, world: int, init_file: str, out_dir: str) -> Non
     msg = ""
     try:
         if rank == 0:
-            ex.request(torch.tensor([1, 3]), layer=0)
+            ex.all_gather(torch.zeros(4, dtype=torch.uint8), "rows", layer=0)
         else:
             ex.all_gather(torch.zeros(4), "candidates", layer=5)
     except LockstepError as e:
         msg = str(e)
     json.dump({"error": msg}, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def replica_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Replicated while everything fits one rank's device pool (reads are local, no
+    exchange), then shards from the step that writes past it (every rank at once), back to
+    replicas once everything is freed; reads exact throughout."""
+    group = _init(rank, world, init_file)
+    # 72 device rows per rank: the replica limit is whole blocks (64), not 72.
+    store, mods = make_store(rank, world, group, device_slots=72, host_slots=256,
+                             remote_slots=32)
+    log = {"limit": store.replica_limit}
+    a = torch.arange(16, 56)  # below the replica limit
+    write_step(store, mods, a)
+    store.begin_step([], {})
+    g = torch.Generator().manual_seed(rank + 7)  # each rank's own picks: no exchange needed
+    picks = a[torch.randperm(a.numel(), generator=g)[:12]].view(3, 4)
+    before = store.exchange.gathers
+    got = read(mods, picks)
+    log["replica_exact"] = all(torch.equal(got[n], row(picks.reshape(-1), i).view(3, 4, HEAD))
+                               for i, n in enumerate(mods))
+    log["replica_gathers"] = store.exchange.gathers - before
+    log["replica_usage"] = store.usage()["device_used"]
+    b = torch.arange(56, 160)  # past it: shards from this step on
+    write_step(store, mods, b)
+    log["replicas_after"] = store.replicas
+    live = torch.cat([a, b])
+    errors = 0
+    for s in range(4):
+        store.begin_step([], {})
+        picks = live[torch.randperm(live.numel(), generator=torch.Generator().manual_seed(s))[:30]]
+        picks = picks.view(3, 10)
+        got = read(mods, picks)
+        for i, n in enumerate(mods):
+            errors += int(not torch.equal(got[n], row(picks.reshape(-1), i).view(3, 10, HEAD)))
+    log["shard_errors"] = errors
+    log["shard_usage"] = store.usage()["device_used"] + store.usage()["host_used"]
+    store.begin_step(sorted(set((live // BS).tolist())), {})
+    log["replicas_again"] = store.replicas
+    log["end_usage"] = store.usage()
+    c = write_step(store, mods, torch.arange(16, 32)) or torch.arange(16, 32)
+    store.begin_step([], {})
+    got = read(mods, c.view(2, 8))
+    log["again_exact"] = all(torch.equal(got[n], row(c, i).view(2, 8, HEAD))
+                             for i, n in enumerate(mods))
+    log["totals"] = store.totals()
+    json.dump(log, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+    dist.barrier()
     dist.destroy_process_group()

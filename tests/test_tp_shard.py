@@ -131,3 +131,17 @@ def test_a_diverging_rank_raises_instead_of_hanging(tmp_path):
     r0, r1 = _spawn(_tp_workers.diverging_worker, tmp_path)
     for r in (r0, r1):
         assert "ranks diverged" in r["error"], r
+
+
+def test_replicated_while_it_fits_then_shards_then_replicated_again(tmp_path):
+    r0, r1 = _spawn(_tp_workers.replica_worker, tmp_path)
+    for r in (r0, r1):
+        assert r["limit"] == 64, r
+        assert r["replica_exact"] and r["replica_gathers"] == 0, r  # local reads, no exchange
+        assert r["replica_usage"] == 40 * 2  # every token on every rank (2 layer groups)
+        assert r["replicas_after"] is False and r["shard_errors"] == 0, r
+        assert r["totals"]["replica_exits"] == 1 and r["totals"]["remote_rows_fetched"] > 0, r
+        assert r["replicas_again"] is True
+        assert r["end_usage"]["device_used"] == 0 and r["end_usage"]["host_used"] == 0, r
+        assert r["again_exact"], r
+    assert r0["shard_usage"] != r1["shard_usage"] or r0["shard_usage"] < 2 * 136  # shards

@@ -12,6 +12,10 @@ evicted, only a prefix is kept and the rest is fetched again when read). `invali
 with every free on every rank, so a reused logical address is never served stale bytes.
 
 Tables are int32 over the global address space (4 bytes per logical token per group).
+With ``replicated=True`` the buffer is a directory every rank keeps identically: it tracks
+every address, and since every rank makes the same calls (the same selections and frees),
+every rank knows which addresses all others hold, so a step's misses need no request
+exchange (the TP shard worker uses it this way).
 """
 from __future__ import annotations
 
@@ -38,13 +42,18 @@ class RemoteBufferStats:
 
 class RemoteRowBuffer:
     def __init__(self, num_logical: int, num_slots: int, *, rank: int, world_size: int,
-                 device: torch.device | str = "cpu", lru="pblru", ring_size: int = 8):
+                 device: torch.device | str = "cpu", lru="pblru", ring_size: int = 8,
+                 replicated: bool = False):
         if num_slots < 1:
             raise ValueError(f"a remote-row buffer needs at least one slot, got {num_slots}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a TP group of {world_size}")
         self.device = torch.device(device)
         self.rank, self.world = rank, world_size
+        # replicated: a directory every rank keeps identically (same calls in the same order
+        # on every rank give the same slots), so it tracks every address whatever its owner;
+        # a rank simply leaves the slots of its own addresses unused.
+        self.replicated = replicated
         self.num_logical = num_logical
         self.table = torch.full((max(1, num_logical),), -1, dtype=torch.int32, device=self.device)
         self.pool = SlotPool(num_slots, self.device)  # owner = the buffered address
@@ -61,7 +70,8 @@ class RemoteRowBuffer:
         return self.pool.num_used
 
     def _remote(self, a: torch.Tensor) -> torch.Tensor:
-        return (a >= 0) & (a < self.num_logical) & (a % self.world != self.rank)
+        ok = (a >= 0) & (a < self.num_logical)
+        return ok if self.replicated else ok & (a % self.world != self.rank)
 
     def _unique_remote(self, addrs: torch.Tensor) -> torch.Tensor:
         a = torch.as_tensor(addrs, device=self.device).reshape(-1).long()

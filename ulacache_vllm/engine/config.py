@@ -106,7 +106,7 @@ class UlaSettings:
         "parallelism.", choices=lambda: TP_MODES)
     remote_buffer_rows: int = _setting(
         0, "int", "TP shard mode: rows per rank and layer group of the buffer of recently "
-        "fetched remote rows (default 0: `max_num_seqs * index_topk`, at most 1/16 of the "
+        "fetched remote rows (default 0: `max_num_seqs * index_topk`, at most 1/32 of the "
         "device rows).", metavar="N")
     tp_lockstep_check: bool = _setting(
         False, "bool", "TP shard mode, debugging: before each exchange the ranks compare a "

@@ -88,10 +88,18 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
             if tp.world_size != layout.shards:
                 raise RuntimeError(f"ulacache: TP group of {tp.world_size} ranks, layout for "
                                    f"{layout.shards}")
-            # The TP group's CPU process group (gloo): fine for the CPU build; a CUDA build
-            # would use tp.device_group.
+            # Small payloads over vLLM's CPU shared-memory communicator when it is up, the rest
+            # over the TP group's gloo process group (a CUDA build would use device_group).
+            dm = getattr(getattr(tp, "device_communicator", None), "dist_module", None)
+            fast = None
+            if dm is not None and type(dm).__name__ == "_CPUSHMDistributed":
+                def fast(out, t, dm=dm):
+                    dm.all_gather_into_tensor(out, t)
             exchange = TPExchange(TokenShard(tp.rank_in_group, tp.world_size), tp.cpu_group,
-                                  lockstep_check=self._settings.tp_lockstep_check)
+                                  lockstep_check=self._settings.tp_lockstep_check,
+                                  fast_gather=fast)
+            logger.info("ulacache TP shard mode: rank %d of %d, shared-memory gathers: %s",
+                        tp.rank_in_group, tp.world_size, fast is not None)
         self.store = UlaWorkerStore(layout, self._settings, ctx, device, trace_file, exchange)
         # vLLM adds up the connector stats of all of an engine's workers: every rank reports
         # its own pools and counters (shards: different rows; replicas: every rank's copy and

@@ -197,7 +197,10 @@ def indexer_forward_cpu(self, hidden_states, q_quant, k, weights):
     buf[: hidden_states.shape[0]] = -1
     shard = getattr(self.k_cache, "token_shard", None)
     if shard is not None:
-        return _sharded_forward(self, shard, kv_cache, md, q_quant, k, weights, T)
+        whole = shard.replicas(self.k_cache.prefix) if shard.replicas else None
+        if whole is None:
+            return _sharded_forward(self, shard, kv_cache, md, q_quant, k, weights, T)
+        kv_cache = whole  # TP shard mode while replicated: every key is here
     if kv_cache.shape[-1] <= 4:
         raise RuntimeError(
             f"ulacache: indexer cache {self.k_cache.prefix} is a placeholder but no token shard "

@@ -16,7 +16,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallback_chunks",
-            "fast_path_exits", "remote_lookups", "remote_hits", "remote_rows_fetched",
+            "fast_path_exits", "replica_exits", "remote_lookups", "remote_hits", "remote_rows_fetched",
             "remote_bytes_fetched")
 GAUGES = ("device_used", "host_used", "device_capacity", "host_capacity", "remote_used",
           "remote_capacity")
@@ -75,6 +75,7 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "bytes_moved": "Bytes copied between the device and host pools.",
             "fallback_chunks": "Settles that promoted only part of a step's working set (it exceeded the device pool; the rest stays on the host and is staged when read).",
             "fast_path_exits": "Switches from identity placement (no translation) to mapped placement.",
+            "replica_exits": "TP shard mode: switches from replicated rows (while everything fits one rank) to shards.",
             "remote_lookups": "TP shard mode: unique remote (other ranks') entries read, per step.",
             "remote_hits": "TP shard mode: remote entries read from the buffer of recently fetched rows.",
             "remote_rows_fetched": "TP shard mode: rows fetched from their owner ranks (per layer).",

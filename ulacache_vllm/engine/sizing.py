@@ -192,7 +192,7 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
     remote = 0
     if S > 1:
         budget_rows = max(0, available_bytes) // (per_local + M)
-        remote = settings.remote_buffer_rows or max(lbs, min(seqs * topk, budget_rows // 16))
+        remote = settings.remote_buffer_rows or max(lbs, min(seqs * topk, budget_rows // 32))
         remote = -(-remote // lbs) * lbs
     device_slots = ((available_bytes - host_slots * per_local - remote * M)
                     // (per_local + M)) // lbs * lbs

@@ -5,13 +5,16 @@ only, at local address ``a // P``; with ``block_size % P == 0`` the rank of a to
 position mod P and a block holds ``block_size / P`` local rows per rank, so one block table
 serves every rank.
 
-`TPExchange` is the only place ranks talk to each other, over the TP group vLLM built (its
-``cpu_group``: gloo on CPU). Every rank issues the same collectives in the same order each
-step: per indexer layer one all-gather of top-k candidates; per sparse layer group one
-exchange of the remote addresses each rank misses; per layer one exchange of those rows. What
-differs per rank (identity placement, settle chunks, capacity errors, buffer hits) never
-changes that sequence. With ``lockstep_check`` every exchange first all-gathers a (step, op,
-layer) tag and raises on a mismatch instead of hanging.
+`TPExchange` is the only place ranks talk to each other, over the TP group vLLM built
+(shared memory for small payloads, its gloo ``cpu_group`` otherwise). Every rank issues the
+same collectives in the same order each step: per indexer layer one all-gather of top-k
+candidates; per layer, when the step misses any row, one all-gather of the missed rows, each
+owner contributing its own. Which rows are missed is known on every rank without asking: the
+selection is identical on all ranks and the buffer of fetched rows is a directory every rank
+keeps identically (`RemoteRowBuffer(replicated=True)`). What differs per rank (identity
+placement, settle chunks, capacity errors) never changes that sequence. With
+``lockstep_check`` every exchange first all-gathers a (step, op, layer) tag and raises on a
+mismatch instead of hanging.
 """
 from __future__ import annotations
 
@@ -50,24 +53,26 @@ def _gather(out: torch.Tensor, t: torch.Tensor, group) -> None:
 
 
 class TPExchange:
-    """Collectives of one TP group (``group``: a torch.distributed process group)."""
+    """Collectives of one TP group: ``group`` (a torch.distributed process group: the TP
+    group's gloo ``cpu_group`` on CPU) and optionally ``fast_gather(out, t)``, an all-gather
+    of float32 tensors over shared memory (vLLM's CPU SHM communicator), used up to
+    ``fast_max_bytes`` per rank."""
 
-    OPS = {"candidates": 1, "addresses": 2, "rows": 3}
+    OPS = {"candidates": 1, "rows": 3}
 
-    def __init__(self, shard: TokenShard, group, lockstep_check: bool = False):
+    def __init__(self, shard: TokenShard, group, lockstep_check: bool = False,
+                 fast_gather=None, fast_max_bytes: int = 1 << 20):
         self.shard = shard
         self.group = group
         self.lockstep_check = lockstep_check
+        self.fast_gather = fast_gather
+        self.fast_max_bytes = fast_max_bytes
         self.step = 0
-        self.rows_fetched = 0
-        self.bytes_fetched = 0
+        self.gathers = 0
 
-    # --------------------------------------------------------------- primitives
     def _check(self, op: str, layer: int) -> None:
         if not self.lockstep_check:
             return
-        import torch.distributed as dist
-
         tag = torch.tensor([self.step, self.OPS[op], layer], dtype=torch.int64)
         tags = torch.empty(self.shard.world * 3, dtype=torch.int64)
         _gather(tags, tag, self.group)
@@ -78,45 +83,20 @@ class TPExchange:
                 f"= {tag.tolist()}, all ranks: {tags.tolist()} (op codes {self.OPS})")
 
     def all_gather(self, t: torch.Tensor, op: str = "candidates", layer: int = 0) -> torch.Tensor:
-        """[P, *t.shape]: every rank's ``t`` (same shape on every rank)."""
+        """[P, *t.shape]: every rank's ``t`` (same shape and dtype on every rank). Bytes travel
+        verbatim (a non-float32 payload is viewed as float32 words)."""
         self._check(op, layer)
         t = t.contiguous()
-        out = torch.empty(self.shard.world * t.numel(), dtype=t.dtype, device=t.device)
-        _gather(out, t.reshape(-1), self.group)
-        return out.view(self.shard.world, *t.shape)
-
-    def _all_to_all(self, send: torch.Tensor, send_counts: list[int], recv_counts: list[int]):
-        import torch.distributed as dist
-
-        recv = torch.empty((sum(recv_counts), *send.shape[1:]), dtype=send.dtype,
-                           device=send.device)
-        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts,
-                               group=self.group)
-        return recv
-
-    # ---------------------------------------------------------------- exchanges
-    def request(self, addrs: torch.Tensor, layer: int = 0):
-        """Send each owner the unique remote addresses this rank needs (``addrs``: unique,
-        remote, sorted by owner). Returns (addresses the other ranks want from this rank, in
-        rank order, and the counts: (sent per owner, received per requester))."""
-        P = self.shard.world
-        self._check("addresses", layer)
-        owners = addrs % P
-        send_counts = torch.bincount(owners, minlength=P)
-        recv_counts = self._all_to_all(send_counts, [1] * P, [1] * P)
-        sc, rc = send_counts.tolist(), recv_counts.tolist()
-        wanted = self._all_to_all(addrs, sc, rc)
-        return wanted, (sc, rc)
-
-    def rows(self, mine: torch.Tensor, counts, layer: int = 0) -> torch.Tensor:
-        """Send the rows of the addresses others asked for (``mine``: [sum(rc), row] in the
-        order `request` returned them); returns the rows this rank asked for, in its order."""
-        sc, rc = counts
-        self._check("rows", layer)
-        got = self._all_to_all(mine, rc, sc)
-        self.rows_fetched += got.shape[0]
-        self.bytes_fetched += got.numel() * got.element_size()
-        return got
+        flat = t.reshape(-1)
+        words = flat.view(torch.float32) if flat.dtype != torch.float32 else flat
+        out = torch.empty(self.shard.world * words.numel(), dtype=torch.float32,
+                          device=t.device)
+        if self.fast_gather is not None and words.numel() * 4 <= self.fast_max_bytes:
+            self.fast_gather(out, words)
+        else:
+            _gather(out, words, self.group)
+        self.gathers += 1
+        return out.view(t.dtype).view(self.shard.world, *t.shape)
 
 
 @dataclass
@@ -125,3 +105,6 @@ class IndexerShard:
     shard: TokenShard
     exchange: TPExchange
     layer: int  # the layer's index among the indexer layers (lockstep tags)
+    # replicas(layer name): while the store keeps replicas, this layer's cache viewed with
+    # whole blocks (score every key locally, no exchange), else None.
+    replicas: object = None

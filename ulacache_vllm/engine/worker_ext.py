@@ -23,6 +23,7 @@ class UlaWorkerExtension:
             "hits": sum(g.mapping.stats.hits for g in store.groups),
             # TP shard mode (0 otherwise): unique remote entries read per step, buffer hits,
             # rows and bytes fetched from their owners.
+            "replica_exits": t["replica_exits"],
             "remote_lookups": t["remote_lookups"],
             "remote_hits": t["remote_hits"],
             "remote_rows_fetched": t["remote_rows_fetched"],
@@ -40,6 +41,7 @@ class UlaWorkerExtension:
         out["block_size"] = lay.block_size
         out["num_logical"] = lay.num_logical  # tokens the engine's logical space holds
         out["tp_mode"] = lay.tp_mode
+        out["tp_replicas"] = bool(getattr(store, "replicas", False))  # shard mode, still replicated
         out["tp_rank"] = store.shard.rank if store.shard else 0
         out["tp_world"] = lay.tp_world
         return out

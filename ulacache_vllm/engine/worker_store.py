@@ -62,6 +62,7 @@ class StoreCounters:
     bytes_moved: int = 0
     fallback_chunks: int = 0  # settles that promoted only part of a step's working set
     fast_path_exits: int = 0
+    replica_exits: int = 0  # TP shard mode: switches from replicated rows to shards
     # TP shard mode: unique remote rows read per step, those found in the remote-row buffer,
     # and those fetched from their owners (rows, bytes).
     remote_lookups: int = 0
@@ -86,13 +87,15 @@ class _Group:
     host_live: bool = False  # any host row may be read this step (fixed by begin_step)
     read_host: bool = False  # this step's read stages host rows (fixed by resolve)
     staging: dict[str, torch.Tensor] = field(default_factory=dict)
-    # TP shard mode: the remote-row buffer, this step's fetch (unique missed addresses; the
-    # rows the other ranks asked this rank for: device row, host row; the exchange's counts),
-    # and the fetched rows per layer, kept for settle.
+    # TP shard mode: the remote-row buffer (a directory kept identically on every rank), this
+    # step's misses (unique addresses, sorted, the same on every rank; where each lands in
+    # the gathered rows), this rank's share to send (device row, host row), the per-rank
+    # width of the gather, and the gathered rows per layer, kept for settle.
     remote: RemoteRowBuffer | None = None
     fetch_addrs: torch.Tensor | None = None
+    fetch_index: torch.Tensor | None = None
     serve: tuple | None = None
-    counts: tuple | None = None
+    width: int = 0
     fetched: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -129,13 +132,29 @@ class UlaWorkerStore:
             # Attention and writes see the device pool in vLLM's [blocks, block, head] shape.
             layers[name].kv_cache = self.device_bytes[name].view(self.dtype).view(
                 -1, bs, layout.mla_head_size)
+        self.indexer_caches: dict[str, torch.Tensor] = {}
         if self.shard:
             # The rank's share of the indexer keys, in vLLM's per-block layout with
             # block_size / P rows per block (vLLM allocated a placeholder).
             for i, (name, width) in enumerate(layout.indexer_layers.items()):
-                layers[name].kv_cache = torch.zeros(layout.num_blocks, bs // P, width,
-                                                    dtype=torch.uint8, device=device)
-                layers[name].token_shard = IndexerShard(self.shard, self.exchange, i)
+                t = torch.zeros(layout.num_blocks, bs // P, width, dtype=torch.uint8,
+                                device=device)
+                self.indexer_caches[name] = t
+                layers[name].kv_cache = t
+                layers[name].token_shard = IndexerShard(self.shard, self.exchange, i,
+                                                        replicas=self.replica_view)
+        # TP shard mode starts replicated (while every live address is below the replica
+        # limit, every rank keeps every token's row and key at its logical address: no
+        # exchange at all, as stock vLLM); the first write past the limit turns the rows into
+        # shards on every rank at the same step, and freeing everything turns them back.
+        self.replicas = bool(self.shard) and settings.fast_path
+        self.replica_limit = 0
+        self.glive = None
+        if self.shard:
+            rblocks = layout.num_blocks * (bs // P) // bs  # blocks of bs rows in a local cache
+            self.replica_limit = min(layout.device_slots, rblocks * bs) // bs * bs
+            self.glive = torch.zeros(layout.num_blocks * bs, dtype=torch.bool, device=device)
+        self.glive_count = 0
         self.groups: list[_Group] = []
         self.group_of: dict[str, _Group] = {}
         current: list[str] = []
@@ -173,7 +192,8 @@ class UlaWorkerStore:
         if self.shard:
             g.remote = RemoteRowBuffer(lay.num_blocks * lay.block_size, lay.remote_slots,
                                        rank=self.shard.rank, world_size=self.shard.world,
-                                       device=self.device, lru=self.settings.lru)
+                                       device=self.device, lru=self.settings.lru,
+                                       replicated=True)
         self.groups.append(g)
         for n in names:
             self.group_of[n] = g
@@ -201,7 +221,8 @@ class UlaWorkerStore:
                     if sel is not None:
                         self._settle_remote(g, sel, freed)
                     g.remote.advance_round()
-                    g.fetch_addrs, g.serve, g.counts = None, None, None
+                    g.fetch_addrs = g.fetch_index = g.serve = None
+                    g.width = 0
                     g.fetched.clear()
                 if not self.identity:
                     if sel is not None:
@@ -230,18 +251,25 @@ class UlaWorkerStore:
             self._record(g.gid, "free", addrs)
             if g.remote is not None:
                 g.remote.invalidate(addrs)  # a reused address must never read stale rows
+        if self.shard is not None:
+            self.glive_count -= int(self.glive.index_select(0, addrs).sum())
+            self.glive.index_fill_(0, addrs, False)
+            if self.replicas:
+                return addrs
         local = addrs if self.shard is None else (addrs[self.shard.owned(addrs)] // self.shard.world)
         if self.identity:
             self.live.index_fill_(0, local, False)
-            return addrs
-        for g in self.groups:
-            g.mapping.free(local)
-        if self.fast_path and all(
-                g.mapping.device_used == 0 and g.mapping.host_used == 0 for g in self.groups):
-            self.identity = True  # everything freed: identity placement is valid again
-            self.live.zero_()
+        else:
             for g in self.groups:
-                g.selected.clear()
+                g.mapping.free(local)
+            if self.fast_path and all(
+                    g.mapping.device_used == 0 and g.mapping.host_used == 0 for g in self.groups):
+                self.identity = True  # everything freed: identity placement is valid again
+                self.live.zero_()
+                for g in self.groups:
+                    g.selected.clear()
+        if self.shard is not None and self.fast_path and self.glive_count == 0 and self.identity:
+            self._start_replicas()  # nothing live on any rank (every rank sees the same frees)
         return addrs
 
     def _settle(self, g: _Group, sel: torch.Tensor) -> None:
@@ -268,19 +296,22 @@ class UlaWorkerStore:
             return
 
     def _settle_remote(self, g: _Group, sel: torch.Tensor, freed: torch.Tensor | None) -> None:
-        """TP shard mode: the previous step's remote reads of ``g``: buffered ones touched,
-        fetched ones kept in the buffer (unless freed since)."""
+        """TP shard mode: the previous step's reads of ``g`` update the buffer directory the
+        same way on every rank (hits touched, fetched rows kept unless freed since); this rank
+        copies in the kept rows it does not own."""
+        sh = self.shard
+        sel = sel[sel >= 0]
+        rem = torch.unique(sel[~sh.owned(sel)])
+        self.counters.remote_lookups += rem.numel()
+        self.counters.remote_hits += int((g.remote.slots_of(rem) >= 0).sum())
         fetched = g.fetch_addrs
         if fetched is not None and freed is not None and fetched.numel():
             fetched = fetched.masked_select(~torch.isin(fetched, freed))
-        st = g.remote.stats
-        before_l, before_h = st.lookups, st.hits
         keep, slots = g.remote.settle(sel, insertable=fetched)
-        self.counters.remote_lookups += st.lookups - before_l
-        self.counters.remote_hits += st.hits - before_h
+        mine = ~sh.owned(keep)
+        keep, slots = keep[mine], slots[mine]
         if keep.numel():
-            srt, perm = g.fetch_addrs.sort()
-            pos = perm.index_select(0, torch.searchsorted(srt, keep))
+            pos = g.fetch_index.index_select(0, torch.searchsorted(g.fetch_addrs, keep))
             rows = slots + self.remote_base
             with self.timed("copy"):
                 for name in g.layers:
@@ -295,6 +326,17 @@ class UlaWorkerStore:
         with self.timed("write"):
             sm = slot_mapping.reshape(-1).long()
             if self.shard is not None:
+                valid = sm[sm >= 0]
+                self.glive_count += int((~self.glive.index_select(0, valid)).sum())
+                self.glive.index_fill_(0, valid, True)
+                if self.replicas:
+                    if valid.numel() and int(valid.max()) >= self.replica_limit:
+                        self._end_replicas()
+                    else:  # every rank writes every row, at its logical address
+                        g.write_key = slot_mapping
+                        g.write_rows = torch.where(sm >= 0, sm,
+                                                   torch.full_like(sm, self.trash_slot))
+                        return
                 sm = self.shard.local(sm)
             if self.identity:
                 valid = sm[sm >= 0]
@@ -320,6 +362,59 @@ class UlaWorkerStore:
                 self._prepare_writes(g, key)
         self.identity = False
         self.counters.fast_path_exits += 1
+
+    def replica_view(self, name: str) -> torch.Tensor | None:
+        """While replicated: indexer layer ``name``'s cache viewed with whole blocks
+        ([blocks, block_size, width], logical address = row), else None."""
+        if not self.replicas:
+            return None
+        t = self.indexer_caches[name]
+        bs, width = self.layout.block_size, t.shape[-1]
+        n = self.replica_limit // bs * bs
+        return t.view(-1)[: n * width].view(-1, bs, width)
+
+    def _end_replicas(self) -> None:
+        """Replicated rows -> shards, on every rank at the same step: this rank's tokens move
+        to their local addresses (device row and indexer key; local identity placement), the
+        others' rows are dropped."""
+        from .cpu_indexer import _cache_views
+
+        sh, bs = self.shard, self.layout.block_size
+        live = torch.nonzero(self.glive).flatten()
+        # (This step's new addresses are already marked live; those past the limit have no
+        # row yet and are placed by the step's writes.)
+        own = live[sh.owned(live) & (live < self.replica_limit)]
+        local = own // sh.world
+        with self.timed("copy"):
+            for name in self.layout.mla_layers:
+                d = self.device_bytes[name]
+                d.index_copy_(0, local, d.index_select(0, own))
+            for name in self.indexer_caches:
+                rv, rs = _cache_views(self.replica_view(name))
+                lv, ls = _cache_views(self.indexer_caches[name])
+                vals = rv[own // bs, own % bs].clone()
+                scales = rs[own // bs, own % bs].clone()
+                lbs = bs // sh.world
+                lv[local // lbs, local % lbs] = vals
+                ls[local // lbs, local % lbs] = scales
+        self.replicas = False
+        self.identity = True
+        self.live.zero_()
+        self.live.index_fill_(0, local, True)
+        self.counters.replica_exits += 1
+        for g in self.groups:
+            if g.write_key is not None:  # an earlier group's writes of this step: re-assign
+                key = g.write_key
+                g.write_key = None
+                self._prepare_writes(g, key)
+
+    def _start_replicas(self) -> None:
+        """Everything freed on every rank: back to replicated rows."""
+        self.replicas = True
+        self.identity = True
+        self.live.zero_()
+        for g in self.groups:
+            g.selected.clear()
 
     def copy_fn(self, g: _Group):
         """Copies byte rows of every layer of ``g`` between tiers (device, host, staging)."""
@@ -372,7 +467,9 @@ class UlaWorkerStore:
         n = len(self.groups)
         out = {"device_capacity": self.layout.device_slots * n,
                "host_capacity": self.layout.host_slots * n}
-        if self.identity:
+        if self.replicas:
+            out.update(device_used=self.glive_count * n, host_used=0)
+        elif self.identity:
             out.update(device_used=int(self.live.sum()) * n, host_used=0)
         else:
             out.update(device_used=sum(g.mapping.device_used for g in self.groups),
@@ -384,7 +481,7 @@ class UlaWorkerStore:
 
     def stats_due(self, every: int) -> bool:
         c = self.counters
-        changed = c.promotions or c.demotions or c.remote_rows_fetched or self._usage_changed
+        changed = c.promotions or c.demotions or self._usage_changed
         return bool(changed) or self.step - self._last_report >= every
 
     def take_counters(self) -> StoreCounters:
@@ -433,6 +530,11 @@ class GroupTranslator(KVTranslator):
                        None if req_of_token is None else
                        req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
         with st.timed("read"):
+            if st.replicas:  # every row is here, at its logical address
+                g.read_host = False
+                g.read = (logical, [])
+                g.read_step = st.step
+                return g.read
             sh = st.shard
             local = logical if sh is None else sh.local(logical)
             staged = []
@@ -465,31 +567,39 @@ class GroupTranslator(KVTranslator):
                 torch.where(valid & (tier == HOST), slot, neg))
 
     def _remote(self, logical: torch.Tensor, dev: torch.Tensor):
-        """TP shard mode: buffered remote rows read as device rows; the others are asked of
-        their owners (one address exchange per group) and staged when the layer reads them
-        (`staged_rows`). Returns (device rows, ids into the fetched rows)."""
+        """TP shard mode: remote rows in the buffer read as device rows; the others are this
+        step's misses, which every rank knows alike (same selection, same directory): each
+        owner sends its own in one all-gather per layer (`staged_rows`). Returns (device rows,
+        ids into the gathered rows)."""
         g, st = self.g, self.store
         sh = st.shard
+        own = sh.owned(logical)
         bslot = g.remote.slots_of(logical)
-        dev = torch.where(bslot >= 0, bslot + st.remote_base, dev)
-        miss = (logical >= 0) & ~sh.owned(logical) & (bslot < 0)
+        dev = torch.where(~own & (bslot >= 0), bslot + st.remote_base, dev)
+        miss = (logical >= 0) & (bslot < 0)
         with st.timed("exchange"):
-            u, inv = torch.unique(logical.masked_select(miss), return_inverse=True)
-            order = torch.argsort(u % sh.world, stable=True)  # grouped by owner rank
-            send = u.index_select(0, order)
-            where_sent = torch.empty_like(order)
-            where_sent[order] = torch.arange(order.numel(), device=order.device)
-            wanted, counts = st.exchange.request(send, layer=g.gid)
-        ids = torch.full_like(logical, -1)
-        ids.masked_scatter_(miss, where_sent.index_select(0, inv))
-        # The rows asked of this rank: where they are here (identity: local = device row).
-        lw = wanted // sh.world
-        if st.identity:
-            serve = (lw, None)
-        else:
-            d, h = self._locate(lw)
-            serve = (d, h if bool((h >= 0).any()) else None)
-        g.fetch_addrs, g.serve, g.counts = send, serve, counts
+            u = torch.unique(logical.masked_select(miss))  # sorted: the same on every rank
+            owner = u % sh.world
+            counts = torch.bincount(owner, minlength=sh.world)
+            width = int(counts.max()) if u.numel() else 0
+            # Each miss's place in the gathered rows: owner's block, then its rank among the
+            # owner's misses (ascending address).
+            first = torch.cumsum(counts, 0) - counts
+            order = torch.argsort(owner, stable=True)
+            within = torch.empty_like(u)
+            within[order] = torch.arange(u.numel(), device=u.device) - first[owner[order]]
+            index = owner * width + within
+            need = miss & ~own
+            ids = torch.full_like(logical, -1)
+            if bool(need.any()):
+                ids[need] = index.index_select(0, torch.searchsorted(u, logical[need]))
+            mine = u[owner == sh.rank] // sh.world  # local addresses this rank sends
+            if st.identity:
+                serve = (mine, None)
+            else:
+                d, h = self._locate(mine)
+                serve = (d, h if bool((h >= 0).any()) else None)
+        g.fetch_addrs, g.fetch_index, g.serve, g.width = u, index, serve, width
         return dev, ids
 
     def staged_rows(self, layer_name: str) -> list[torch.Tensor]:
@@ -497,23 +607,32 @@ class GroupTranslator(KVTranslator):
         out = []
         if g.read_host:  # as `resolve` decided for this step's read
             out.append(st.host_rows[layer_name])
-        if st.shard is not None:
+        if st.shard is not None and not st.replicas:
             out.append(self._fetch_rows(layer_name))
         return out
 
     def _fetch_rows(self, layer_name: str) -> torch.Tensor:
-        """This layer's rows of the group's remote misses, from their owners (every rank
-        sends the rows asked of it in the same exchange)."""
+        """This layer's rows of the group's misses: every owner contributes its own, padded to
+        the widest share, in one all-gather (skipped on every rank when nothing missed)."""
         g, st = self.g, self.store
+        head = st.layout.mla_head_size
+        if g.width == 0:
+            return torch.empty(0, head, dtype=st.dtype, device=st.device)
         d, h = g.serve
+        rb = st.layout.mla_row_bytes[layer_name]
         with st.timed("exchange"):
-            mine = st.device_bytes[layer_name].index_select(0, d.clamp(min=0))
-            if h is not None:
-                on_host = (h >= 0).unsqueeze(1)
-                hb = st.host_bytes[layer_name].index_select(0, h.clamp(min=0)).to(mine.device)
-                mine = torch.where(on_host, hb, mine)
-            got = st.exchange.rows(mine, g.counts, layer=st.layer_index[layer_name])
+            mine = torch.zeros(g.width, rb, dtype=torch.uint8, device=st.device)
+            n = d.numel()
+            if n:
+                rows = st.device_bytes[layer_name].index_select(0, d.clamp(min=0))
+                if h is not None:
+                    hb = st.host_bytes[layer_name].index_select(0, h.clamp(min=0)).to(rows.device)
+                    rows = torch.where((h >= 0).unsqueeze(1), hb, rows)
+                mine[:n] = rows
+            got = st.exchange.all_gather(mine, "rows", st.layer_index[layer_name])
+        got = got.view(-1, rb)
         g.fetched[layer_name] = got
-        st.counters.remote_rows_fetched += got.shape[0]
-        st.counters.remote_bytes_fetched += got.numel()
-        return got.view(st.dtype).view(got.shape[0], st.layout.mla_head_size)
+        others = g.fetch_addrs.numel() - n
+        st.counters.remote_rows_fetched += others
+        st.counters.remote_bytes_fetched += others * rb
+        return got.view(st.dtype).view(got.shape[0], head)
