@@ -47,19 +47,9 @@ def write_step(store, mods, addrs, freed=()):
 
 def read(mods, logical):
     """What attention reads in each layer (device rows, then staged sources)."""
-    out = {}
-    for name, mod in mods.items():
-        t = mod.impl.translator
-        dev, staged = t.resolve(name, logical, None)
-        got = torch.full((*logical.shape, HEAD), -1.0)
-        on_dev = dev >= 0
-        got[on_dev] = mod.kv_cache.view(-1, HEAD).index_select(0, dev[on_dev])
-        for ids, rows in zip(staged, t.staged_rows(name)):
-            there = ids >= 0
-            assert not bool((on_dev & there).any()), "a row read from two places"
-            got[there] = rows.view(-1, HEAD).index_select(0, ids[there])
-        out[name] = got
-    return out
+    from test_worker_store import read_all
+
+    return read_all(mods, logical, None)
 
 
 def _init(rank, world, init_file):

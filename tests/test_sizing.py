@@ -14,14 +14,14 @@ from ulacache_vllm.engine.sizing import DEFAULTED_KEY, apply_batch_tokens, plan_
 BS = 16
 
 
-def _specs(layers=2):
+def _specs(layers=2, indexer=(128, torch.float32)):
     out = {}
     for i in range(layers):
         out[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
             block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.float32,
             cache_role=SparseCacheRole.SPARSE)
         out[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=BS, num_kv_heads=1, head_size=128, dtype=torch.float32,
+            block_size=BS, num_kv_heads=1, head_size=indexer[0], dtype=indexer[1],
             cache_role=SparseCacheRole.INDEXER)
     return out
 
@@ -165,15 +165,8 @@ def test_shard_mode_holds_p_times_the_tokens_of_replicate_in_the_same_per_rank_m
 
 
 def _specs_indexer(layers=2):
-    out = {}
-    for i in range(layers):
-        out[f"model.layers.{i}.self_attn.attn"] = MLAAttentionSpec(
-            block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.float32,
-            cache_role=SparseCacheRole.SPARSE)
-        out[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
-            block_size=BS, num_kv_heads=1, head_size=132, dtype=torch.uint8,
-            cache_role=SparseCacheRole.INDEXER)
-    return out
+    """The layer specs as a DSA model gives them: the indexer cache is 132 bytes per token."""
+    return _specs(layers, indexer=(132, torch.uint8))
 
 
 def test_shard_mode_refuses_a_block_size_that_p_does_not_divide():

@@ -207,6 +207,15 @@ def indexer_forward_cpu(self, hidden_states, q_quant, k, weights):
             "was registered for it (TP shard mode wiring); please report it.")
     if k is not None and not self.skip_k_cache_insert:
         write_keys(kv_cache, k[:T], md.slot_mapping)
+    for s, e, q, w, positions, L, block_row in _requests(md, q_quant, weights, T):
+        keys = read_keys(kv_cache, block_row, L)
+        buf[s:e, : self.topk_tokens] = select_topk(q, w, keys, positions, self.topk_tokens)
+    return buf
+
+
+def _requests(md, q_quant, weights, T):
+    """Per request with tokens this step: (start, end, its queries, weights, query positions,
+    sequence length, block-table row)."""
     qsl = md.query_start_loc_cpu.tolist()
     seq_lens = md.seq_lens_cpu.tolist()
     q_all = q_quant[:T].float()
@@ -216,12 +225,7 @@ def indexer_forward_cpu(self, hidden_states, q_quant, k, weights):
         if e <= s:
             continue
         L = int(seq_lens[r])
-        keys = read_keys(kv_cache, md.block_table[r], L)
-        positions = torch.arange(L - (e - s), L)
-        buf[s:e, : self.topk_tokens] = select_topk(
-            q_all[s:e], w_all[s:e], keys, positions, self.topk_tokens
-        )
-    return buf
+        yield s, e, q_all[s:e], w_all[s:e], torch.arange(L - (e - s), L), L, md.block_table[r]
 
 
 def read_keys_shard(kv_local: torch.Tensor, block_row: torch.Tensor, n: int, shard):
@@ -252,19 +256,10 @@ def _sharded_forward(self, shard, kv_local, md, q_quant, k, weights, T):
     K = self.topk_tokens
     vals = torch.full((T, K), float("-inf"), dtype=torch.float32)
     pos = torch.full((T, K), -1, dtype=torch.int32)
-    qsl = md.query_start_loc_cpu.tolist()
-    seq_lens = md.seq_lens_cpu.tolist()
-    q_all = q_quant[:T].float()
-    w_all = weights[:T].float()
-    for r in range(md.num_reqs):
-        s, e = qsl[r], qsl[r + 1]
-        if e <= s:
-            continue
-        L = int(seq_lens[r])
-        keys, key_pos = read_keys_shard(kv_local, md.block_table[r], L, sh)
-        positions = torch.arange(L - (e - s), L)
-        vals[s:e], pos[s:e] = select_topk(q_all[s:e], w_all[s:e], keys, positions, K,
-                                          key_positions=key_pos, candidates=True)
+    for s, e, q, w, positions, L, block_row in _requests(md, q_quant, weights, T):
+        keys, key_pos = read_keys_shard(kv_local, block_row, L, sh)
+        vals[s:e], pos[s:e] = select_topk(q, w, keys, positions, K, key_positions=key_pos,
+                                          candidates=True)
     everyone = shard.exchange.all_gather(pack_candidates(vals, pos), "candidates", shard.layer)
     sc, pc = unpack_candidates(everyone)
     buf[:T, :K] = merge_candidates(sc, pc, K)
