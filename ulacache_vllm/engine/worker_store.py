@@ -28,6 +28,12 @@ The worker contract, stated once (`tests/test_worker_store.py` checks each claus
 * Exception: a layer whose write slots were not in the pre-forward context (an MTP draft layer
   writes in the drafter's own forward) assigns them on first use, inside that forward.
 
+TP shard mode (``exchange`` given, P > 1): this rank owns the logical addresses ``a % P ==
+rank`` and maps them at local address ``a // P``; the group's other selected rows come from
+their owners (`_remote`, `_fetch_rows`) through a buffer directory every rank keeps alike.
+While every live address fits one rank's device pool, every rank keeps replicas instead
+(``replicas``: rows and keys at their logical addresses, no exchange).
+
 Fast path (identity placement): while every written logical address is below the device pool
 size and nothing has ever been demoted, logical slot == device slot and nothing is translated.
 The first step writing beyond the device range adopts the live addresses into the mapping
@@ -232,6 +238,14 @@ class UlaWorkerStore:
                 g.selected.clear()
                 g.read_step, g.read = -1, None
                 g.write_key = g.write_rows = None
+            if self.shard is not None:  # every rank tracks every live address, once a step
+                sms = [sm for g in self.groups
+                       if (sm := (slot_mappings or {}).get(g.layers[0])) is not None]
+                if sms:
+                    valid = sms[0].reshape(-1).long()
+                    valid = valid[valid >= 0]
+                    self.glive_count += int((~self.glive.index_select(0, valid)).sum())
+                    self.glive.index_fill_(0, valid, True)
             for g in self.groups:
                 sm = (slot_mappings or {}).get(g.layers[0])
                 if sm is not None:
@@ -326,9 +340,7 @@ class UlaWorkerStore:
         with self.timed("write"):
             sm = slot_mapping.reshape(-1).long()
             if self.shard is not None:
-                valid = sm[sm >= 0]
-                self.glive_count += int((~self.glive.index_select(0, valid)).sum())
-                self.glive.index_fill_(0, valid, True)
+                valid = sm[sm >= 0]  # (marked live in begin_step)
                 if self.replicas:
                     if valid.numel() and int(valid.max()) >= self.replica_limit:
                         self._end_replicas()
