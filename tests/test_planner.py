@@ -34,7 +34,12 @@ def dsa_plans():
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
 def test_presets_print_a_table(name, capsys):
+    import os
+
+    level = os.environ.get("VLLM_LOGGING_LEVEL")
     assert main([name, "--cluster", "8xH200", "--cluster", "8xB300"]) == 0
+    # In-process use must not quiet the logs of every vLLM subprocess started after it.
+    assert os.environ.get("VLLM_LOGGING_LEVEL") == level
     out = capsys.readouterr().out
     assert out.count("| scheme |") == 2 and out.count("Assumptions:") == 2
     assert "KV budget per GPU" in out and "weights per GPU" in out

@@ -43,7 +43,8 @@ def serve(model, log: Path, extra_args: list[str], timeout: float = 300):
     require_engine_marker()
     port = _free_port()
     env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
-               KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024")
+               KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024",
+               VLLM_LOGGING_LEVEL="INFO")  # the tests read the startup lines from the log
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     with open(log, "w") as fh:
         proc = subprocess.Popen(

@@ -97,7 +97,6 @@ def plans_from_args(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     args = parser().parse_args(argv)
     try:
         plans = plans_from_args(args)
@@ -112,4 +111,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Quiet vLLM's config logging for the command line only: main() is also called in-process
+    # (tests), where changing the caller's environment would leak into every later subprocess.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     sys.exit(main())
