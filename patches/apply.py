@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 from . import (
+    block_table_translate,
     cli_args,
     cpu_mla_path,
     cpu_sparse_attention,
     engine_config,
     engine_startup_error,
+    hybrid_block_size,
     kv_cache_sizing,
     llm_kwargs,
     rotary_cpu,
 )
 
 ALL = (cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu, cpu_sparse_attention,
-       cpu_mla_path, kv_cache_sizing)
+       cpu_mla_path, kv_cache_sizing, hybrid_block_size, block_table_translate)
 
 
 def apply_all() -> None:

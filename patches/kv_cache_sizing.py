@@ -2,7 +2,8 @@
 
 Under `--kv-backend ulacache` the block pool becomes a logical address space sized to the
 device pool plus the host pool, and the sparse-MLA rows move out of vLLM's allocation into
-ulacache's own pools (see `ulacache_vllm/engine/sizing.py`). Other backends pass through.
+ulacache's own pools (see `ulacache_vllm/engine/sizing.py`); for hybrid models it becomes the
+arena (`ulacache_vllm/engine/arena_sizing.py`). Other backends pass through.
 """
 from __future__ import annotations
 
@@ -24,11 +25,18 @@ def apply() -> None:
             return orig(vllm_config, kv_cache_specs, available_memory)
         from ulacache_vllm.engine import sizing
 
-        settings = ula_config.settings_from_additional_config(vllm_config.additional_config)
-        configs = sizing.get_kv_cache_configs(orig, vllm_config, kv_cache_specs,
-                                              available_memory, settings)
         from vllm.logger import init_logger
 
+        settings = ula_config.settings_from_additional_config(vllm_config.additional_config)
+        if ula_config.is_arena_config(vllm_config):
+            from ulacache_vllm.engine import arena_sizing
+
+            configs = arena_sizing.get_kv_cache_configs(vllm_config, kv_cache_specs,
+                                                        available_memory, settings)
+            init_logger("vllm.ulacache").info(configs[0].ulacache_arena.summary())
+            return configs
+        configs = sizing.get_kv_cache_configs(orig, vllm_config, kv_cache_specs,
+                                              available_memory, settings)
         init_logger("vllm.ulacache").info(
             configs[0].ulacache_layout.summary(vllm_config.model_config.max_model_len))
         return configs

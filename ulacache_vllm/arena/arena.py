@@ -143,6 +143,16 @@ class Arena:
             self.stats["admitted"] += 1
         return res
 
+    def allocate(self, demands: Mapping) -> AdmitResult:
+        """All-or-nothing placement of ``demands`` (kind -> pages) without request bookkeeping:
+        the caller (an engine's block manager) owns the returned virtual ids and gives them
+        back through :meth:`release`."""
+        return self._ladder(self._demands(demands))
+
+    def release(self, vids) -> None:
+        """Give back pages :meth:`allocate` handed out (bytes withheld while fenced)."""
+        self._release(as_ids(vids).ravel())
+
     def grow(self, request_id: Hashable, kind, n: int) -> AdmitResult:
         """Add ``n`` pages of ``kind`` to an admitted request (all or nothing)."""
         held = self._requests[request_id]

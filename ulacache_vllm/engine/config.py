@@ -17,6 +17,9 @@ SETTINGS_KEY = "ulacache"
 # Architectures whose attention is index-based sparse MLA (DSA): ulacache's logical address
 # space serves these. Any model whose config carries `index_topk` is treated the same way.
 DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+# Hybrid architectures the arena serves (full attention + sliding window or GDN state), as
+# verified on vLLM's CPU build. Other hybrids (e.g. Mamba2 families) are refused by name.
+ARENA_ARCHITECTURES = ("Qwen3NextForCausalLM", "GptOssForCausalLM", "Gemma3ForCausalLM")
 
 
 class KVBackendError(ValueError):
@@ -111,6 +114,10 @@ class UlaSettings:
     tp_lockstep_check: bool = _setting(
         False, "bool", "TP shard mode, debugging: before each exchange the ranks compare a "
         "(step, op, layer) tag and raise on a mismatch instead of hanging (default false).")
+    arena_force_moves: int = _setting(
+        0, "int", "hybrid models (arena), testing: every N scheduler steps compact and relayout "
+        "the arena whether or not an admission needs it, with real copies (default 0: only "
+        "when an admission needs room).", metavar="N")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "UlaSettings":
@@ -140,7 +147,8 @@ def flag_of(name: str) -> str:
 
 
 BACKEND_HELP = ("`vllm`: stock block manager (default). `ulacache`: logical address space over "
-                "device + host for DSA models.")
+                "device + host for DSA models; one arena at natural page sizes for hybrid "
+                "models (Qwen3-Next, GPT-OSS, Gemma 3).")
 # Environment knobs beside the settings (read where they act; listed in the same table).
 ENV_KNOBS = {
     "ULACACHE_PBLRU_SMALL_POOL_SLOTS": "PB-LRU pools up to this many slots (default 4096) "
@@ -274,17 +282,31 @@ def is_dsa_model(hf_config: Any) -> bool:
     return any(a in DSA_ARCHITECTURES for a in archs)
 
 
+def is_arena_model(hf_config: Any) -> bool:
+    """A hybrid model the arena serves (not DSA: those keep the logical address space)."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return not is_dsa_model(hf_config) and any(a in ARENA_ARCHITECTURES for a in archs)
+
+
+def is_arena_config(vllm_config: Any) -> bool:
+    mc = getattr(vllm_config, "model_config", None)
+    return (mc is not None and kv_backend_of(vllm_config) == "ulacache"
+            and is_arena_model(mc.hf_config))
+
+
 def check_model_supported(model_config: Any) -> None:
     """Raises KVBackendError unless ulacache can serve this model."""
     hf_config = model_config.hf_config
-    if is_dsa_model(hf_config):
+    if is_dsa_model(hf_config) or is_arena_model(hf_config):
         return
     archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
     raise KVBackendError(
         f"--kv-backend ulacache does not support model architecture {', '.join(archs)}: "
         f"it serves index-based sparse-attention (DSA) models "
-        f"({', '.join(DSA_ARCHITECTURES)}, or any model whose config has `index_topk`). "
-        f"Use --kv-backend vllm for this model."
+        f"({', '.join(DSA_ARCHITECTURES)}, or any model whose config has `index_topk`) "
+        f"through its logical address space, and the hybrid models "
+        f"{', '.join(ARENA_ARCHITECTURES)} through its arena (other hybrids, e.g. Mamba2 "
+        f"families, are not verified on this build yet). Use --kv-backend vllm for this model."
     )
 
 

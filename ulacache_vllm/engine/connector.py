@@ -31,6 +31,7 @@ MODULE_PATH = "ulacache_vllm.engine.connector"
 @dataclass
 class UlaConnectorMetadata(KVConnectorMetadata):
     freed_blocks: list[int] = field(default_factory=list)
+    arena: Any = None  # hybrid models: the step's ArenaStepPlan
 
 
 class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -38,6 +39,8 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._settings = settings_from_additional_config(vllm_config.additional_config)
         self.store = None
+        self.arena = None  # hybrid models: the worker's ArenaWorker
+        self._arena_reported: dict = {}
 
     # ---------------------------------------------------------------- scheduler
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -50,6 +53,8 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # Frees and the round advance must reach the worker before this step's forward.
         scheduler_output.has_sync_kv_loads = True
         mgr = self._kv_cache_manager
+        if mgr is not None and hasattr(mgr, "take_step_plan"):  # the arena
+            return UlaConnectorMetadata(arena=mgr.take_step_plan())
         freed = mgr.take_freed_blocks() if mgr is not None else []
         return UlaConnectorMetadata(freed_blocks=freed)
 
@@ -58,6 +63,12 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request, block_ids) -> tuple[bool, dict[str, Any] | None]:
         return False, None
+
+    def has_pending_block_frees(self) -> bool:
+        # Arena bytes withheld by the ledger come back when a step in flight completes:
+        # the scheduler waits for them instead of preempting.
+        mgr = self._kv_cache_manager
+        return mgr is not None and hasattr(mgr, "has_withheld_bytes") and mgr.has_withheld_bytes()
 
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping (an empty step) until the worker has released them.
@@ -68,6 +79,14 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict) -> None:
         from .worker_store import UlaWorkerStore
 
+        arena = getattr(self._kv_cache_config, "ulacache_arena", None)
+        if arena is not None:
+            from .arena_worker import ArenaWorker
+
+            self.arena = ArenaWorker(arena, kv_caches)
+            self._rank = _tp_rank()
+            logger.info("ulacache worker arena ready: %s", arena.summary())
+            return
         layout = getattr(self._kv_cache_config, "ulacache_layout", None)
         if layout is None:
             raise RuntimeError("ulacache: the KV cache config carries no ulacache layout")
@@ -108,6 +127,13 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         logger.info("ulacache worker store ready: %s", layout.summary(
             self._vllm_config.model_config.max_model_len))
 
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        # The first thing vLLM's execute_model does: the arena's copies, v2g updates and
+        # zeroing land before this step's block tables are committed and its forward runs.
+        plan = getattr(kv_connector_metadata, "arena", None)
+        if self.arena is not None and plan is not None:
+            self.arena.apply(plan)
+
     def start_load_kv(self, forward_context, **kwargs: Any) -> None:
         if self.store is None:
             return
@@ -118,6 +144,15 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         slot_mappings = getattr(forward_context, "slot_mapping", None)
         self.store.begin_step(meta.freed_blocks,
                               slot_mappings if isinstance(slot_mappings, dict) else None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # Logical blocks whose rows a failed tier copy lost this step (`UlaWorkerStore._apply`).
+        # vLLM unions them over the workers and, under its default kv_load_failure_policy
+        # "fail", ends the requests holding them with an error (the client gets one) and
+        # drops their tokens of this step; an exception here would end the engine core.
+        if self.store is None:
+            return set()
+        return self.store.take_lost_blocks()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -132,11 +167,33 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM ships connector stats through the scheduler to the stat loggers every step it
         # gets them; that costs ~1-2 ms per step on a small CPU model, so report when pages
         # moved or pools changed, and otherwise every STATS_EVERY steps (counters accumulate).
+        if self.arena is not None:
+            return self._arena_stats()
         if self.store is None or not self.store.stats_due(STATS_EVERY):
             return None
         c = self.store.take_counters()
         data = {k: getattr(c, k) for k in c.__dataclass_fields__}
         data.update(per_rank_gauges(self.store.usage(), self._rank))
+        return UlaStats(data=data)
+
+    def _arena_stats(self):
+        """The arena's counters as increments since the last report, its gauges as they are;
+        sent when they changed."""
+        from .metrics import ARENA_COUNTERS, arena_gauges
+
+        s = self.arena.stats
+        if not s:
+            return None
+        data = {}
+        for k in ARENA_COUNTERS:
+            d = s.get(k, 0) - self._arena_reported.get(k, 0)
+            if d:
+                data[k] = d
+        gauges = arena_gauges(s)
+        if not data and gauges == self._arena_reported.get("gauges"):
+            return None
+        self._arena_reported = {**{k: s.get(k, 0) for k in ARENA_COUNTERS}, "gauges": gauges}
+        data.update(per_rank_gauges(gauges, self._rank))
         return UlaStats(data=data)
 
     # -------------------------------------------------------------------- stats

@@ -18,9 +18,27 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallback_chunks",
             "fast_path_exits", "replica_exits", "remote_lookups", "remote_hits", "remote_rows_fetched",
             "remote_bytes_fetched")
+# The arena (hybrid models): cumulative counters from the scheduler, shipped per step.
+ARENA_COUNTERS = ("arena_compactions", "arena_relayouts", "arena_pages_moved",
+                  "arena_bytes_copied")
+ARENA_KIND_BASES = ("full", "sliding", "state")
+ARENA_GAUGES = ("arena_used_bytes", "arena_free_bytes", "arena_withheld_bytes",
+                "arena_total_bytes") + tuple(f"arena_used_{k}_bytes" for k in ARENA_KIND_BASES)
+COUNTERS = COUNTERS + ARENA_COUNTERS
 GAUGES = ("device_used", "host_used", "device_capacity", "host_capacity", "remote_used",
-          "remote_capacity")
+          "remote_capacity") + ARENA_GAUGES
 _AT = "@rank"  # gauges travel per rank (``device_used@rank1``) and are summed over ranks
+
+
+def arena_gauges(stats: dict) -> dict:
+    """The arena's gauges from the scheduler's stats (bytes used per kind summed by base
+    kind: full / sliding / state)."""
+    out = {k: stats.get(k, 0) for k in ARENA_GAUGES if not k.startswith("arena_used_") or
+           k == "arena_used_bytes"}
+    by_kind = stats.get("arena_used_by_kind", {})
+    for base in ARENA_KIND_BASES:
+        out[f"arena_used_{base}_bytes"] = by_kind.get(base, 0)
+    return out
 
 
 def per_rank_gauges(usage: dict, rank: int) -> dict:
@@ -80,6 +98,10 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "remote_hits": "TP shard mode: remote entries read from the buffer of recently fetched rows.",
             "remote_rows_fetched": "TP shard mode: rows fetched from their owner ranks (per layer).",
             "remote_bytes_fetched": "TP shard mode: bytes of rows fetched from their owner ranks.",
+            "arena_compactions": "Arena (hybrid models): compactions run (holes filled with a band's farthest pages).",
+            "arena_relayouts": "Arena (hybrid models): relayouts run (every movable page slid to its band's base).",
+            "arena_pages_moved": "Arena (hybrid models): pages moved by compactions and relayouts.",
+            "arena_bytes_copied": "Arena (hybrid models): bytes copied by compactions and relayouts.",
         }
         self.counters = {
             k: self._make(self._counter_cls, f"vllm:ulacache_{k}", h) for k, h in help_.items()
@@ -91,6 +113,13 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "host_capacity": "Host-pool slots (summed over layer groups).",
             "remote_used": "TP shard mode: remote-row buffer slots in use (summed over groups).",
             "remote_capacity": "TP shard mode: remote-row buffer slots (summed over groups).",
+            "arena_used_bytes": "Arena (hybrid models): bytes held by requests' pages.",
+            "arena_free_bytes": "Arena (hybrid models): free bytes.",
+            "arena_withheld_bytes": "Arena (hybrid models): freed bytes withheld by the page-use ledger until a step in flight completes.",
+            "arena_total_bytes": "Arena (hybrid models): the arena's size in bytes.",
+            "arena_used_full_bytes": "Arena (hybrid models): bytes held by full-attention pages.",
+            "arena_used_sliding_bytes": "Arena (hybrid models): bytes held by sliding-window pages.",
+            "arena_used_state_bytes": "Arena (hybrid models): bytes held by recurrent-state pages.",
         }
         self.gauges = {k: self._make(self._gauge_cls, f"vllm:ulacache_{k}", h)
                        for k, h in gauges.items()}

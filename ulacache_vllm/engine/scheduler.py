@@ -1,7 +1,9 @@
 """Scheduler classes for `--kv-backend ulacache` (selected through `scheduler_cls`).
 
-They are vLLM's own schedulers (sync and async) with the KV cache manager swapped for
-`UlaKVCacheManager`; everything else (admission order, preemption, connectors) is vLLM's.
+They are vLLM's own schedulers (sync and async) with the KV cache manager swapped: the logical
+address space's `UlaKVCacheManager` for DSA models, the arena's `ArenaKVCacheManager` for hybrid
+models (chosen by what the engine core's sizing attached to the KV cache config). Everything
+else (admission order, preemption, connectors) is vLLM's.
 """
 from __future__ import annotations
 
@@ -13,15 +15,35 @@ from ulacache_vllm.patches.scheduler_manager import use_manager
 from .kv_cache_manager import UlaKVCacheManager
 
 
-class UlaScheduler(Scheduler):
-    def __init__(self, *args, **kwargs):
-        with use_manager(UlaKVCacheManager):
-            super().__init__(*args, **kwargs)
-        assert isinstance(self.kv_cache_manager, UlaKVCacheManager)
+def _manager_cls(args, kwargs):
+    cfg = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
+    if getattr(cfg, "ulacache_arena", None) is not None:
+        from .arena_manager import ArenaKVCacheManager
+
+        return ArenaKVCacheManager
+    return UlaKVCacheManager
 
 
-class UlaAsyncScheduler(AsyncScheduler):
+class _UlaSchedulerMixin:
+    def _ula_init(self, base, *args, **kwargs):
+        cls = _manager_cls(args, kwargs)
+        with use_manager(cls):
+            base.__init__(self, *args, **kwargs)
+        assert isinstance(self.kv_cache_manager, cls)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        out = super().update_from_output(scheduler_output, model_runner_output)
+        plan = getattr(scheduler_output.kv_connector_metadata, "arena", None)
+        if plan is not None:  # the arena's step fence: this step's pages may move again
+            self.kv_cache_manager.step_processed(plan.seq)
+        return out
+
+
+class UlaScheduler(_UlaSchedulerMixin, Scheduler):
     def __init__(self, *args, **kwargs):
-        with use_manager(UlaKVCacheManager):
-            super().__init__(*args, **kwargs)
-        assert isinstance(self.kv_cache_manager, UlaKVCacheManager)
+        self._ula_init(Scheduler, *args, **kwargs)
+
+
+class UlaAsyncScheduler(_UlaSchedulerMixin, AsyncScheduler):
+    def __init__(self, *args, **kwargs):
+        self._ula_init(AsyncScheduler, *args, **kwargs)

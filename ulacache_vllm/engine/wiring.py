@@ -84,12 +84,45 @@ def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
             "hook (SparseMLAIndexGroup.convert_logical_to_physical_topk) is not wired into the "
             "CUDA sparse-MLA backends yet. Use --kv-backend vllm on this machine."
         )
-    check_tp_mode(vllm_config, settings)
-    check_host_pool(vllm_config, settings)
+    from .config import is_arena_model
+
+    if is_arena_model(vllm_config.model_config.hf_config):
+        prepare_arena(vllm_config)
+    else:
+        check_tp_mode(vllm_config, settings)
+        check_host_pool(vllm_config, settings)
     keep_cpu_core_reservation(vllm_config)
     set_error_file()
     sc = vllm_config.scheduler_config
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
+
+
+ARENA_BLOCK_SIZE = 32  # tokens per attention page (CPU_ATTN takes multiples of 32)
+
+
+def prepare_arena(vllm_config: Any) -> None:
+    """Hybrid models: what the arena does not support yet is refused here, naming the fix;
+    the attention page defaults to 32 tokens instead of the CPU build's 128."""
+    pc = vllm_config.parallel_config
+    fix = " Use --kv-backend vllm for this setup."
+    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+        raise KVBackendError(
+            f"--kv-backend ulacache's arena (hybrid models) runs with one worker per engine "
+            f"for now: tensor_parallel_size {pc.tensor_parallel_size}, pipeline_parallel_size "
+            f"{pc.pipeline_parallel_size} are not supported yet (data parallelism is).{fix}")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise KVBackendError("--kv-backend ulacache's arena (hybrid models) does not support "
+                             f"speculative decoding yet.{fix}")
+    sc = vllm_config.scheduler_config
+    if sc.async_scheduling:
+        # A step's pages are fenced until its output is processed; with one batch in flight
+        # at a time (synchronous scheduling) the fences pass before the next schedule.
+        logger.info("ulacache arena: async scheduling is turned off (hybrid models run with "
+                    "synchronous scheduling under the arena for now)")
+        sc.async_scheduling = False
+    cc = vllm_config.cache_config
+    if not getattr(cc, "user_specified_block_size", False):
+        cc.block_size = ARENA_BLOCK_SIZE
 
 
 def shards_of(vllm_config: Any, settings: UlaSettings) -> int:

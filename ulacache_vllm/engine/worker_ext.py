@@ -1,7 +1,8 @@
 """Worker extension installed under `--kv-backend ulacache`: inspection RPCs.
 
 `LLM.collective_rpc("ulacache_usage")` returns, per worker, the pool usage and counters of the
-worker-side store (used by tests and for debugging; the same numbers reach `/metrics`).
+worker-side store, or for hybrid models the arena's (used by tests and for debugging; the same
+numbers reach `/metrics`).
 """
 from __future__ import annotations
 
@@ -13,6 +14,18 @@ class UlaWorkerExtension:
         return get_kv_transfer_group().store
 
     def ulacache_usage(self) -> dict:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        arena = get_kv_transfer_group().arena
+        if arena is not None:  # hybrid models: the arena's figures as of the last step
+            out = dict(arena.stats)
+            out["worker"] = dict(arena.counters)  # copies and zeroing this worker executed
+            out["alignment"] = arena.layout.alignment
+            out["kinds"] = {g.kind: {"layers": len(g.layer_names), "page_bytes": g.page_bytes,
+                                     "block_size": g.block_size, "band": g.band}
+                            for g in arena.layout.groups}
+            out["max_requests"] = arena.layout.max_requests
+            return out
         store = self._ulacache_store()
         out = dict(store.usage())
         t = store.totals()

@@ -27,6 +27,11 @@ The worker contract, stated once (`tests/test_worker_store.py` checks each claus
   writes go to a trash row past the pool.
 * Exception: a layer whose write slots were not in the pre-forward context (an MTP draft layer
   writes in the drafter's own forward) assigns them on first use, inside that forward.
+* A failed copy (`_apply`) never kills the engine and is never read: the move's entries are
+  dropped from the tables, their logical blocks are reported to the scheduler as KV load
+  errors (the connector's `get_block_ids_with_load_errors`), and vLLM ends the requests that
+  own them with an error. This step's new entries hold no data yet and are assigned again.
+  Tests inject such failures and stalls through `move_faults` (off by default).
 
 TP shard mode (``exchange`` given, P > 1): this rank owns the logical addresses ``a % P ==
 rank`` and maps them at local address ``a // P``; the group's other selected rows come from
@@ -47,6 +52,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from vllm.logger import init_logger
 
 from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
 from ulacache_vllm.core.pools import CapacityError
@@ -55,8 +61,11 @@ from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 
 from .config import UlaSettings
 from .kv_translation import KVTranslator
+from .move_faults import MoveFaults
 from .sizing import UlaLayout
 from .tp_shard import IndexerShard, TokenShard, TPExchange
+
+logger = init_logger("vllm.ulacache.worker_store")
 
 
 @dataclass
@@ -177,6 +186,12 @@ class UlaWorkerStore:
         self.counters = StoreCounters()
         self._taken = StoreCounters()  # counters already reported (see totals)
         self.time_s = {"write": 0.0, "read": 0.0, "copy": 0.0, "begin": 0.0, "exchange": 0.0}
+        # Failed moves (see `_apply`): logical blocks whose rows were lost, until the connector
+        # reports them; and totals since startup.
+        self.lost_blocks: set[int] = set()
+        self.failed_moves = 0
+        self.lost_entries = 0
+        self.faults = MoveFaults.from_env()  # test-only fault injection; None by default
         self._last_report, self._usage_changed = 0, False
         # Truncated: one file holds one run (two runs' steps would merge on replay).
         self._trace = open(trace_file, "w") if trace_file else None
@@ -218,6 +233,8 @@ class UlaWorkerStore:
         ``slot_mappings``: this step's write slots per layer name (vLLM's forward context)."""
         with self.timed("begin"):
             self.step += 1
+            if self.faults is not None:
+                self.faults.poll()
             if self.exchange is not None:
                 self.exchange.step = self.step
             freed = self._free(freed_blocks)
@@ -359,7 +376,12 @@ class UlaWorkerStore:
                     slots = sm
             if not self.identity:
                 slots, plan = g.mapping.assign(sm)
-                self._apply(g, plan)
+                if not self._apply(g, plan, fresh=sm):
+                    # This step's new entries lost only slots, no data (they are written in
+                    # the forward): the failed plan freed the victims' slots, so assigning
+                    # them again needs no move.
+                    slots, plan = g.mapping.assign(sm)
+                    self._apply(g, plan)
             g.write_key = slot_mapping
             g.write_rows = torch.where(slots >= 0, slots, torch.full_like(slots, self.trash_slot))
 
@@ -432,6 +454,10 @@ class UlaWorkerStore:
         """Copies byte rows of every layer of ``g`` between tiers (device, host, staging)."""
         def copy(src_tier, src, dst_tier, dst):
             need = src.numel() if STAGING in (src_tier, dst_tier) else 0
+            if self.faults is not None:
+                self.faults.before_copy("stage" if need else
+                                        "demote" if src_tier == DEVICE else "promote",
+                                        int(src.numel()))
             for name in g.layers:
                 s = self._bytes(g, name, src_tier, need)
                 d = self._bytes(g, name, dst_tier, need)
@@ -456,14 +482,50 @@ class UlaWorkerStore:
             g.staging[name] = buf
         return buf
 
-    def _apply(self, g: _Group, plan) -> None:
-        if not plan.empty:
+    def _apply(self, g: _Group, plan, fresh: torch.Tensor | None = None) -> bool:
+        """Copies the plan's rows, then commits it; False if a copy failed.
+
+        A failed copy (an exception from the copy; `move_faults` injects them in tests) must
+        never let a request read rows that were not fully moved, nor kill the engine (vLLM
+        ends the engine core on any exception in a step): `TieredMapping.apply` drops the
+        plan's entries (unmapped, slots back in the pools, so the tables stay consistent), and
+        their logical blocks go to `lost_blocks`, which the connector reports to the
+        scheduler as KV load errors: vLLM ends the requests owning them with an error
+        (``kv_load_failure_policy="fail"``) before it emits this step's tokens of theirs.
+        ``fresh``: this step's write addresses (local); their entries hold no data yet, so
+        they are not lost (the caller assigns them again)."""
+        if plan.empty:
+            return True
+        if plan.demote_src_device.numel():
+            g.host_live = True  # (a draft layer's in-forward writes may demote)
+        try:
             with self.timed("copy"):
-                self.counters.promotions += int(plan.promote_src_host.numel())
-                self.counters.demotions += int(plan.demote_src_device.numel())
-                if plan.demote_src_device.numel():
-                    g.host_live = True  # (a draft layer's in-forward writes may demote)
                 g.mapping.apply(plan, self.copy_fn(g))
+        except Exception as err:  # noqa: BLE001 - any copy failure: see the docstring
+            lost = plan._entries  # what `apply` dropped (core/mapping.py module doc)
+            if fresh is not None:
+                lost = lost[~torch.isin(lost, fresh)]
+            self._lost(lost, err)
+            return False
+        self.counters.promotions += int(plan.promote_src_host.numel())
+        self.counters.demotions += int(plan.demote_src_device.numel())
+        return True
+
+    def _lost(self, local: torch.Tensor, err: Exception) -> None:
+        """Records entries a failed move dropped (local addresses) as lost logical blocks."""
+        addrs = local if self.shard is None else local * self.shard.world + self.shard.rank
+        blocks = torch.unique(addrs // self.layout.block_size).tolist()
+        self.lost_blocks.update(blocks)
+        self.failed_moves += 1
+        self.lost_entries += int(local.numel())
+        self._usage_changed = True
+        logger.error("ulacache: a row copy failed (%s: %s); %d entries of %d logical blocks "
+                     "dropped, their requests end with an error", type(err).__name__, err,
+                     int(local.numel()), len(blocks))
+
+    def take_lost_blocks(self) -> set[int]:
+        out, self.lost_blocks = self.lost_blocks, set()
+        return out
 
     def _record(self, gid: int, kind: str, addrs: torch.Tensor, reqs=None) -> None:
         if self._trace is None or addrs.numel() == 0:

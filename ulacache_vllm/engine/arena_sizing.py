@@ -1,0 +1,244 @@
+"""Arena sizing for hybrid models: one byte range, every kind at its natural page size.
+
+Layers are grouped by spec equality (no page unification, no padding): each group is one
+arena kind, one vLLM KV cache group, one block table. Full-attention groups grow in the HIGH
+band, sliding-window and recurrent-state groups in the LOW band. vLLM's block ids become
+virtual page ids (vids) that the worker translates to *granules* (byte offset / alignment):
+every layer's cache is a view over the one buffer whose block stride is the alignment, so
+granule ``g`` of a layer is its page at byte ``g * alignment`` (pages of one layer overlap in
+the view; a granule is only read where a page of that layer's kind starts).
+
+Invariants: the buffer holds ``total_bytes + max page`` bytes so that every granule's view
+fits; vid 0 is the null page (max page bytes at LOW offset 0, never moved or freed).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .config import KVBackendError, UlaSettings, report_engine_error
+
+MIN_ALIGNMENT = 256
+MAX_GRANULES = 1 << 22  # granule count (views' dim 0); the alignment grows beyond this
+
+
+@dataclasses.dataclass(frozen=True)
+class ArenaGroup:
+    kind: str  # "full" | "sliding" | "state" (+ index when several of one type)
+    band: str  # "low" | "high"
+    layer_names: tuple[str, ...]
+    layer_page_bytes: int  # one layer's page
+    block_size: int  # tokens per page (state kinds: vLLM's mamba block size)
+    pages_per_max_request: int  # pages one request of max_model_len holds (admission cap)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.layer_page_bytes * len(self.layer_names)
+
+
+@dataclasses.dataclass
+class ArenaLayout:
+    groups: list[ArenaGroup]
+    alignment: int
+    total_bytes: int  # the arena's byte range (the null page included)
+    buffer_bytes: int  # allocated: total + the largest page, so every granule's view fits
+    budget_bytes: int
+    max_model_len: int
+    stock_requests: int | None = None  # max_model_len requests stock HMA fits (estimate)
+    force_moves_every: int = 0
+
+    @property
+    def num_granules(self) -> int:
+        return self.total_bytes // self.alignment
+
+    @property
+    def null_page_bytes(self) -> int:
+        return _round_up(max(g.page_bytes for g in self.groups), self.alignment)
+
+    def request_bytes(self, max_len: int | None = None) -> int:
+        """Arena bytes one request of ``max_len`` (default max_model_len) holds at most."""
+        if max_len is None:
+            return sum(_round_up(g.page_bytes, self.alignment) * g.pages_per_max_request
+                       for g in self.groups)
+        return sum(_round_up(g.page_bytes, self.alignment) * _pages(g, max_len)
+                   for g in self.groups)
+
+    @property
+    def max_requests(self) -> int:
+        return (self.total_bytes - self.null_page_bytes) // max(1, self.request_bytes())
+
+    def summary(self) -> str:
+        kinds = ", ".join(
+            f"{g.kind} {len(g.layer_names)} layers x {g.layer_page_bytes} B = {g.page_bytes} B "
+            f"pages of {g.block_size} tokens ({g.band} band)" for g in self.groups)
+        stock = (f"; stock vLLM (HMA, padded uniform pages) fits ~{self.stock_requests} in "
+                 f"the same budget" if self.stock_requests is not None else "")
+        return (f"ulacache arena: {self.total_bytes} bytes ({self.num_granules} granules of "
+                f"{self.alignment} B), natural page sizes: {kinds}; max concurrent requests "
+                f"of max_model_len={self.max_model_len}: {self.max_requests}{stock}")
+
+
+def _round_up(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def _pages(g: ArenaGroup, max_len: int) -> int:
+    if g.kind.startswith("state"):
+        return g.pages_per_max_request
+    return min(g.pages_per_max_request, -(-max_len // g.block_size) + 1)
+
+
+def is_arena_model(specs: dict) -> bool:
+    """True if the worker's layer specs are a hybrid the arena serves (no MLA)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    kinds = {type(s) for s in specs.values()}
+    if any(issubclass(k, MLAAttentionSpec) for k in kinds):
+        return False
+    return any(issubclass(k, (MambaSpec, SlidingWindowSpec)) for k in kinds)
+
+
+def _kind_of(spec) -> tuple[str, str]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    if isinstance(spec, MambaSpec):
+        return "state", "low"
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding", "low"
+    if isinstance(spec, FullAttentionSpec):
+        return "full", "high"
+    raise KVBackendError(
+        f"--kv-backend ulacache's arena does not handle KV layers of type "
+        f"{type(spec).__name__} yet (it serves full attention, sliding window and GDN/mamba "
+        f"state). Use --kv-backend vllm for this model.")
+
+
+def group_specs(specs: dict) -> list[tuple[list[str], object]]:
+    """Layers grouped by spec equality, in layer order of each group's first layer."""
+    from .sizing import _layer_index
+
+    groups: list[tuple[list[str], object]] = []
+    for name in sorted(specs, key=_layer_index):
+        spec = specs[name]
+        for names, s in groups:
+            if s == spec:
+                names.append(name)
+                break
+        else:
+            groups.append(([name], spec))
+    return groups
+
+
+def _alignment(page_sizes: list[int], total: int) -> int:
+    a = 0
+    for p in page_sizes:
+        a = math.gcd(a, p)
+    a = max(MIN_ALIGNMENT, 1 << (a.bit_length() - 1) if a else MIN_ALIGNMENT)
+    while total // a > MAX_GRANULES:
+        a *= 2
+    return a
+
+
+def plan_arena(vllm_config, specs: dict, available_bytes: int,
+               settings: UlaSettings) -> tuple[ArenaLayout, list]:
+    """(layout, [(layer names, spec)] per group) for one worker's specs and KV budget."""
+    max_model_len = vllm_config.model_config.max_model_len
+    grouped = group_specs(specs)
+    counts: dict[str, int] = {}
+    groups = []
+    for names, spec in grouped:
+        base, band = _kind_of(spec)
+        counts[base] = counts.get(base, 0) + 1
+        groups.append((base, band, names, spec))
+    out = []
+    for base, band, names, spec in groups:
+        kind = base if counts[base] == 1 else f"{base}{sum(1 for g in out if g.kind.startswith(base))}"
+        per_req = spec.max_num_blocks_per_req(vllm_config, max_model_len) \
+            if hasattr(spec, "max_num_blocks_per_req") else -(-max_model_len // spec.block_size)
+        if base == "sliding":
+            per_req = spec.max_admission_blocks_per_request(
+                vllm_config.max_in_flight_tokens, max_model_len)
+        out.append(ArenaGroup(kind, band, tuple(names), spec.page_size_bytes, spec.block_size,
+                              int(per_req)))
+    pages = [g.layer_page_bytes for g in out] + [g.page_bytes for g in out]
+    align = _alignment(pages, max(available_bytes, 1))
+    max_page = _round_up(max(g.page_bytes for g in out), align)
+    total = max(0, (available_bytes - max_page) // align * align)
+    layout = ArenaLayout(out, align, total, total + max_page, available_bytes, max_model_len,
+                         force_moves_every=settings.arena_force_moves)
+    layout.stock_requests = stock_hma_requests(vllm_config, grouped, available_bytes)
+    need = layout.request_bytes() + layout.null_page_bytes
+    if need > total:
+        raise KVBackendError(
+            f"ulacache arena too small: the KV budget of {available_bytes} bytes leaves an arena "
+            f"of {total} bytes, but one request of max_model_len={max_model_len} needs {need} "
+            f"bytes with the null page ({layout.summary()}). Raise the KV budget "
+            f"(--kv-cache-memory-bytes / VLLM_CPU_KVCACHE_SPACE) to at least "
+            f"{need + max_page} bytes or lower --max-model-len.")
+    return layout, grouped
+
+
+def stock_hma_requests(vllm_config, grouped, budget: int) -> int | None:
+    """Requests of max_model_len stock vLLM's CPU HMA fits in ``budget`` (its rules: attention
+    blocks of 128 tokens, or for GDN hybrids ``128 * cdiv(state page, 128 * attention bytes
+    per token)`` with state pages padded to the attention page; groups of equal layer count,
+    one block id per group page)."""
+    try:
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        L = vllm_config.model_config.max_model_len
+        attn = [(n, s) for n, s in grouped if not isinstance(s, MambaSpec)]
+        state = [(n, s) for n, s in grouped if isinstance(s, MambaSpec)]
+        if not attn:
+            return None
+        per_tok = max(s.page_size_bytes // s.block_size for _, s in attn)
+        bs = 128
+        if state:
+            mpage = max(s.page_size_bytes for _, s in state)
+            bs = 128 * -(-mpage // (128 * per_tok))
+        page = bs * per_tok
+        layers = [len(n) for n, _ in grouped]
+        gsize = min(layers)
+        # vLLM splits every type into groups of gsize layers; each group holds one block per
+        # page of its type; a block spans gsize layers' pages.
+        blocks = budget // (page * gsize)
+        per_req = 0
+        for names, s in grouped:
+            ngroups = -(-len(names) // gsize)
+            if isinstance(s, MambaSpec):
+                need = 1
+            elif hasattr(s, "sliding_window"):
+                need = min(-(-(s.sliding_window - 1 + vllm_config.max_in_flight_tokens) // bs)
+                           + 1, -(-L // bs))
+            else:
+                need = -(-L // bs)
+            per_req += ngroups * need
+        return max(0, (blocks - 1) // max(1, per_req))
+    except Exception:  # an estimate for the startup line only
+        return None
+
+
+def get_kv_cache_configs(vllm_config, kv_cache_specs: list[dict], available_memory: list[int],
+                         settings: UlaSettings):
+    """The arena's KVCacheConfigs: one group per kind, one strided tensor per group over one
+    buffer, ``num_blocks`` = granules."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+
+    try:
+        plans = [plan_arena(vllm_config, s, a, settings)
+                 for s, a in zip(kv_cache_specs, available_memory)]
+    except KVBackendError as e:
+        report_engine_error(e)
+        raise
+    layout, _ = min(plans, key=lambda p: p[0].total_bytes)
+    configs = []
+    for _, grouped in plans:
+        groups = [KVCacheGroupSpec(list(names), spec) for names, spec in grouped]
+        tensors = [KVCacheTensor(size=layout.buffer_bytes, layers=list(g.layer_names),
+                                 layer_stride=g.layer_page_bytes, block_stride=layout.alignment,
+                                 offset=0) for g in layout.groups]
+        cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=tensors,
+                            kv_cache_groups=groups)
+        cfg.ulacache_arena = layout
+        configs.append(cfg)
+    return configs

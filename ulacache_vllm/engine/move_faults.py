@@ -1,0 +1,108 @@
+"""Test-only fault injection in the worker's move path. Off by default; nothing here runs
+unless a test turns it on.
+
+The worker store's row copies between tiers (`UlaWorkerStore.copy_fn`: demotions device ->
+host, promotions host -> device, and the staging copies of a promotion into a full host pool)
+ask ``store.faults`` before each copy; ``None`` (the default) costs one attribute test. A
+fault makes a copy raise `MoveFaultError` (what a failed host transfer would do) or sleep
+first (a stalled one). What the store does about a failed copy is the product's behaviour,
+not this module's: see `UlaWorkerStore._apply` (the requests whose rows were lost end with an
+error; nobody else notices).
+
+Two ways to arm it:
+
+* in-process (unit tests): ``store.faults = MoveFaults(fault="raise", count=1)``;
+* in an engine (`vllm serve`, `LLM`): start it with ``ULACACHE_TEST_MOVE_FAULTS=/path/x.json``
+  in its environment (the workers inherit it). Each step the worker re-reads the file when it
+  changed and arms what it says (a missing or empty file: no faults)::
+
+      {"fault": "raise" | "stall", "moves": ["demote", "promote", "stage"],
+       "skip": 0, "count": 1, "seconds": 1.0, "nonce": 7}
+
+  ``moves``: which copies qualify (default all three); ``skip``: qualifying copies let through
+  first; ``count``: qualifying copies affected (-1: every one); ``seconds``: a stall's length;
+  ``nonce``: any value, so that writing the same fault again re-arms it. Every worker process
+  (each TP rank) arms its own copy of the spec.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+# (vLLM's init_logger is this; plain logging keeps the module importable without vLLM.)
+logger = logging.getLogger("vllm.ulacache.move_faults")
+ENV = "ULACACHE_TEST_MOVE_FAULTS"
+MOVES = ("demote", "promote", "stage")
+KINDS = ("raise", "stall")
+
+
+class MoveFaultError(RuntimeError):
+    """An injected copy failure (never raised unless a test armed a fault)."""
+
+
+@dataclass
+class MoveFaults:
+    fault: str = "raise"
+    moves: tuple[str, ...] = MOVES
+    skip: int = 0
+    count: int = 1
+    seconds: float = 1.0
+    fired: int = 0  # copies this spec affected so far
+    path: str | None = None  # the control file (engine use), re-read by `poll`
+    _seen: str | None = None
+
+    def __post_init__(self):
+        if self.fault not in KINDS:
+            raise ValueError(f"move fault must be one of {KINDS}, got {self.fault!r}")
+        bad = set(self.moves) - set(MOVES)
+        if bad:
+            raise ValueError(f"unknown moves {sorted(bad)}; valid: {MOVES}")
+        self.moves = tuple(self.moves)
+
+    @classmethod
+    def from_env(cls) -> MoveFaults | None:
+        """The engine's hook: None (no faults, the default) unless `ENV` names a control file;
+        then a disarmed spec that `poll` arms from the file."""
+        path = os.environ.get(ENV)
+        if not path:
+            return None
+        return cls(count=0, path=path)
+
+    def poll(self) -> None:
+        """Re-arms from the control file when its text changed (once per engine step)."""
+        if self.path is None:
+            return
+        try:
+            with open(self.path) as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        if text == self._seen:
+            return
+        self._seen = text
+        spec = json.loads(text) if text.strip() else {"count": 0}
+        spec.pop("nonce", None)
+        armed = MoveFaults(**{**spec, "path": self.path})
+        self.fault, self.moves, self.skip, self.count, self.seconds = (
+            armed.fault, armed.moves, armed.skip, armed.count, armed.seconds)
+        self.fired = 0
+
+    def before_copy(self, move: str, rows: int) -> None:
+        """Called by the store before each tier copy of ``rows`` rows (``move`` in MOVES)."""
+        if self.count == 0 or move not in self.moves:
+            return
+        if self.skip > 0:
+            self.skip -= 1
+            return
+        if self.count > 0:
+            self.count -= 1
+        self.fired += 1
+        if self.fault == "stall":
+            logger.warning("ulacache test fault (%s): stalling a %s copy of %d rows for %.2f s",
+                           ENV, move, rows, self.seconds)
+            time.sleep(self.seconds)
+            return
+        raise MoveFaultError(f"ulacache test fault ({ENV}): {move} copy of {rows} rows failed")
