@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from ulacache_vllm.engine.move_faults import ENV as FAULTS_ENV
+
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,7 +37,7 @@ def _metric(text: str, name: str) -> float:
 
 
 @contextlib.contextmanager
-def serve(model, log: Path, extra_args: list[str], timeout: float = 300):
+def serve(model, log: Path, extra_args: list[str], timeout: float = 300, env_extra=None):
     """`scripts/serve.sh MODEL ulacache` on a free 127.0.0.1 port with the tight CPU budget of
     these tests; yields the base URL once healthy, kills the process group after."""
     from _vllm_subprocess import require_engine_marker
@@ -45,6 +47,7 @@ def serve(model, log: Path, extra_args: list[str], timeout: float = 300):
     env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
                KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024",
                VLLM_LOGGING_LEVEL="INFO")  # the tests read the startup lines from the log
+    env.update(env_extra or {})
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     with open(log, "w") as fh:
         proc = subprocess.Popen(
@@ -81,8 +84,14 @@ def serve(model, log: Path, extra_args: list[str], timeout: float = 300):
 def server(tiny_model, tmp_path_factory):
     model = tiny_model("deepseek_v32")
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with serve(model, log, []) as base:
+    # The move-fault control file (`engine/move_faults.py`): absent, so no faults, until a
+    # test writes one.
+    with serve(model, log, [], env_extra={FAULTS_ENV: str(_faults_file(log))}) as base:
         yield base, str(model), log
+
+
+def _faults_file(log: Path) -> Path:
+    return log.parent / "move_faults.json"
 
 
 def _complete(base, model, prompt, n):
@@ -93,13 +102,17 @@ def _complete(base, model, prompt, n):
     return r.json()
 
 
+def _growing_prompts(n: int, growth: int) -> list[str]:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    return [" ".join(words[(i + j * 3) % len(words)] for j in range(40 + growth * i))
+            for i in range(n)]
+
+
 def concurrent_greedy(base, model, n: int, growth: int) -> list[dict]:
     """``n`` concurrent 32-token greedy completions of prompts growing by ``growth`` words;
     checks their lengths and that a repeat of one gives the same text (greedy is
     deterministic, whichever engine serves it)."""
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
-    prompts = [" ".join(words[(i + j * 3) % len(words)] for j in range(40 + growth * i))
-               for i in range(n)]
+    prompts = _growing_prompts(n, growth)
     with cf.ThreadPoolExecutor(n) as ex:
         outs = list(ex.map(lambda p: _complete(base, model, p, 32), prompts))
     assert all(o["usage"]["completion_tokens"] == 32 for o in outs)
@@ -182,6 +195,19 @@ def _abort_in_prefill(base, model, prompt):
     return False
 
 
+def _pools_back_to_zero(base, timeout: float = 90) -> str:
+    """Waits until both pools are empty and no request runs or waits; returns `/metrics`."""
+    deadline = time.time() + timeout
+    while True:
+        m = requests.get(base + "/metrics", timeout=10).text
+        used = (_metric(m, "vllm:ulacache_device_used"), _metric(m, "vllm:ulacache_host_used"),
+                _metric(m, "vllm:num_requests_running"), _metric(m, "vllm:num_requests_waiting"))
+        if used == (0, 0, 0, 0):
+            return m
+        assert time.time() < deadline, f"pools/requests not back to zero: {used}"
+        time.sleep(1)
+
+
 def test_load_with_client_aborts_leaves_the_pools_clean(server):
     """A bounded loopback load beyond the pools' capacity: concurrent streams, a third cut by
     the client mid-stream, some aborted during prefill. Afterwards both pools are back to
@@ -204,18 +230,122 @@ def test_load_with_client_aborts_leaves_the_pools_clean(server):
     full = {i: t for kind, i, t in results if kind == "full"}
     assert len(full) >= 5 and all(t for t in full.values())
     assert any(kind == "prefill" and ok for kind, _, ok in results)
-    deadline = time.time() + 90
-    while True:
-        m = requests.get(base + "/metrics", timeout=10).text
-        used = (_metric(m, "vllm:ulacache_device_used"), _metric(m, "vllm:ulacache_host_used"),
-                _metric(m, "vllm:num_requests_running"), _metric(m, "vllm:num_requests_waiting"))
-        if used == (0, 0, 0, 0):
-            break
-        assert time.time() < deadline, f"pools/requests not back to zero: {used}"
-        time.sleep(1)
+    m = _pools_back_to_zero(base)
     # The load did spill to the host and back (the pools really were under pressure).
     assert _metric(m, "vllm:ulacache_demotions_total") > 0
     for i, text in full.items():  # uncut streams: the greedy text the prompt gets alone
         alone = _complete(base, model, prompts[i], 48)["choices"][0]["text"]
         assert text == alone, i
     assert _complete(base, model, "still serving?", 4)["usage"]["completion_tokens"] == 4
+
+
+# ----------------------------------------------- faults in the move path, bad requests
+def _finished(text: str, reason: str) -> float:
+    """Requests vLLM counted as finished for ``reason`` (stop, length, abort, error)."""
+    return sum(float(v) for v in re.findall(
+        rf'^vllm:request_success_total{{[^}}]*finished_reason="{reason}"[^}}]*}} (\S+)$', text, re.M))
+
+
+def _arm(log: Path, **spec) -> None:
+    """Arms a move fault in the server's workers (read at their next step)."""
+    _faults_file(log).write_text(__import__("json").dumps({**spec, "nonce": time.time()}))
+
+
+@pytest.fixture(scope="module")
+def pressure_batch(server):
+    """Eight concurrent greedy completions that outgrow the device pool (rows are demoted
+    and promoted), served without faults: (prompts, texts)."""
+    base, model, _ = server
+    prompts = _growing_prompts(8, 15)
+    m0 = requests.get(base + "/metrics", timeout=10).text
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        outs = list(ex.map(lambda p: _complete(base, model, p, 32), prompts))
+    m1 = _pools_back_to_zero(base)
+    assert _metric(m1, "vllm:ulacache_demotions_total") > _metric(m0, "vllm:ulacache_demotions_total")
+    return prompts, [o["choices"][0]["text"] for o in outs]
+
+
+def test_stalled_moves_change_no_output(server, pressure_batch):
+    """Copies that stall (and a stream cut by its client meanwhile) delay the batch; every
+    uncut completion is still the text the batch gets without stalls, and the pools drain."""
+    base, model, log = server
+    prompts, want = pressure_batch
+    _arm(log, fault="stall", seconds=0.4, count=4)
+    try:
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            futs = [ex.submit(_stream, base, model, p, 32, 2 if i == 5 else None)
+                    for i, p in enumerate(prompts)]
+            got = [f.result() for f in futs]
+    finally:
+        _faults_file(log).write_text("")
+    assert [t for i, t in enumerate(got) if i != 5] == [t for i, t in enumerate(want) if i != 5]
+    assert log.read_text().count("ulacache test fault") >= 1  # the stalls happened
+    _pools_back_to_zero(base)
+
+
+def test_a_failed_move_ends_its_requests_with_an_error_and_no_other(server, pressure_batch):
+    """A copy that raises in the worker's move path: the requests whose rows it lost end
+    with an error the client sees (HTTP 500, counted as finished_reason="error"), never with
+    wrong tokens; every other request of the batch gets its usual text; the pools drain and
+    the server keeps serving (the failed prompts, sent again, get their usual text)."""
+    base, model, log = server
+    prompts, want = pressure_batch
+    m0 = requests.get(base + "/metrics", timeout=10).text
+
+    def post(p):
+        return requests.post(base + "/v1/completions", timeout=300, json={
+            "model": model, "prompt": p, "max_tokens": 32, "temperature": 0,
+            "ignore_eos": True})
+
+    _arm(log, fault="raise", moves=["demote", "promote"], skip=2, count=1)
+    try:
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            res = list(ex.map(post, prompts))
+    finally:
+        _faults_file(log).write_text("")
+    failed = [i for i, r in enumerate(res) if r.status_code != 200]
+    assert failed, "the injected copy failure must end some request"
+    for i in failed:
+        assert res[i].status_code == 500 and "error" in res[i].json(), res[i].text
+    for i, r in enumerate(res):
+        if i not in failed:
+            assert r.json()["choices"][0]["text"] == want[i], i
+    text = log.read_text()
+    assert "a row copy failed" in text and "KV load failure" in text
+    m1 = _pools_back_to_zero(base)
+    assert _finished(m1, "error") - _finished(m0, "error") == len(failed)
+    with cf.ThreadPoolExecutor(len(failed)) as ex:
+        again = list(ex.map(lambda i: _complete(base, model, prompts[i], 32), failed))
+    assert [o["choices"][0]["text"] for o in again] == [want[i] for i in failed]
+
+
+def test_bad_requests_get_a_clear_error_and_leave_the_pools_clean(server):
+    """Run-time limits under ulacache, as the client sees them: a prompt longer than
+    max_model_len gets HTTP 400 naming the limit; a completion that would outgrow it is cut
+    at max_model_len (vLLM 0.32 clamps max_tokens), and that largest request runs alone (no
+    request can need more than device + host: startup refuses pools that cannot hold one of
+    max_model_len); a request whose client hangs up during its prefill is aborted, not run
+    to its end. Afterwards the pools are empty."""
+    base, model, _ = server
+    ids = requests.post(base + "/tokenize", timeout=10, json={
+        "model": model, "prompt": "one two three four five six seven eight"}).json()["tokens"]
+    prompt = (ids * 1000)[:1000]  # token ids: exact lengths (max_model_len is 1024)
+    m0 = _pools_back_to_zero(base)
+
+    def post(p, n, timeout=300):
+        return requests.post(base + "/v1/completions", timeout=timeout, json={
+            "model": model, "prompt": p, "max_tokens": n, "temperature": 0, "ignore_eos": True})
+
+    r = post((ids * 200)[:1100], 4)
+    assert r.status_code == 400, r.text
+    assert "maximum context length is 1024" in r.json()["error"]["message"], r.text
+    # Hang up while the 1000-token prefill runs (~0.5 s on the CI host), then send the same
+    # request to its end: had the first not been aborted, both would finish as "length".
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        post(prompt, 100, timeout=(5, 0.1))
+    r = post(prompt, 100)  # 1000 + 100 > 1024: cut at max_model_len
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["completion_tokens"] == 24 and out["choices"][0]["finish_reason"] == "length"
+    m1 = _pools_back_to_zero(base)
+    assert _finished(m1, "length") - _finished(m0, "length") == 1, "the hung-up request ran on"

@@ -178,3 +178,154 @@ def test_impl_without_a_translator_raises():
     impl = SimpleNamespace(translator=None, layer_name="model.layers.3.self_attn.attn")
     with pytest.raises(RuntimeError, match="layers.3.*no KV translator"):
         CpuSparseMLAImpl._translator(impl)
+
+
+# ------------------------------------------------------------ failed and stalled moves
+def _fill(store, mods, steps=10, width=40):
+    live = []
+    for s in range(steps):  # 400 entries >> 64 device slots: demotions, host rows
+        a = torch.arange(16 + s * width, 16 + (s + 1) * width)
+        step(store, mods, a)
+        live.append(a)
+    return torch.cat(live)
+
+
+def _check_tables(store, mods, live):
+    """Pools and tables agree, every entry of ``live`` (and nothing else) is mapped, no slot
+    is shared, and every live row reads back exactly (the rows encode address and layer)."""
+    for g in store.groups:
+        m = g.mapping
+        assert torch.equal(m.loc, m.visible), "no plan outstanding: the tables agree"
+        for pool in (m.dev, m.host):
+            assert int((pool.owner >= 0).sum()) == pool.num_used
+            assert bool((pool.owner.index_select(0, pool.stack[:pool.num_free]) < 0).all())
+        mapped = torch.nonzero(m.loc >= 0).flatten()
+        assert torch.equal(mapped, torch.unique(live)), "mapped entries != live entries"
+        assert m.dev.num_used + m.host.num_used == mapped.numel()
+        assert m.loc[mapped].unique().numel() == mapped.numel(), "two entries share a slot"
+    got = read_all(mods, live.unsqueeze(0), torch.zeros(1, dtype=torch.int64))
+    for li, name in enumerate(mods):
+        assert torch.equal(got[name][0], _row(live, li))
+
+
+def _unmapped(store, live):
+    return live[store.groups[0].mapping.loc.index_select(0, live) < 0]
+
+
+def test_a_failed_demotion_drops_only_its_victims_and_reports_their_blocks():
+    """A demotion copy that raises while this step's writes get slots (the assign path):
+    the victims' entries are dropped (never read half-moved) and their logical blocks
+    reported for the scheduler to fail their requests; this step's new rows are assigned
+    again and written; every other entry still reads exactly; the tables stay consistent and
+    the store keeps working once the lost blocks are freed."""
+    from ulacache_vllm.engine.move_faults import MoveFaults
+
+    store, mods = make_store(device_slots=64, host_slots=512, layers=("l.0",), leaders=("l.0",))
+    live = _fill(store, mods, steps=5)
+    assert store.take_lost_blocks() == set()
+    store.faults = MoveFaults(fault="raise", moves=("demote",), count=1)
+    new = torch.arange(16 + 5 * 40, 16 + 6 * 40)
+    step(store, mods, new)  # does not raise
+    assert store.faults.fired == 1 and store.failed_moves == 1
+    lost = _unmapped(store, live)
+    assert lost.numel() > 0 and store.lost_entries == lost.numel()
+    assert store.take_lost_blocks() == set((lost // BS).tolist())
+    assert store.take_lost_blocks() == set()  # reported once
+    assert not bool(torch.isin(new, lost).any())
+    survivors = torch.cat([live[~torch.isin(live, lost)], new])
+    _check_tables(store, mods, survivors)
+    # The scheduler fails the owners: their blocks come back freed (whole blocks: the other
+    # entries of a lost block go too); later steps move rows again, without faults.
+    blocks = sorted(set((lost // BS).tolist()))
+    store.begin_step(blocks, {})
+    survivors = survivors[~torch.isin(survivors // BS, torch.tensor(blocks))]
+    for s in (6, 7):
+        more = torch.arange(16 + s * 40, 16 + (s + 1) * 40)
+        step(store, mods, more)
+        survivors = torch.cat([survivors, more])
+    assert store.counters.demotions > 0
+    _check_tables(store, mods, survivors)
+    store.begin_step(sorted(set((survivors // BS).tolist())), {})
+    assert store.usage()["device_used"] == 0 and store.usage()["host_used"] == 0
+
+
+@pytest.mark.parametrize("move", ["promote", "demote"])
+def test_a_failed_settle_drops_the_plan_and_reports_it(move):
+    """A copy that raises while the previous step's host reads are promoted (the settle
+    path: promotions and the demotions making room for them): the plan's entries are dropped
+    and reported, the rest reads exactly, and the next settle works."""
+    from ulacache_vllm.engine.move_faults import MoveFaults
+
+    store, mods = make_store(device_slots=64, host_slots=512)
+    live = _fill(store, mods)
+    store.begin_step([], {})
+    g = torch.Generator().manual_seed(2)
+    picks = torch.stack([live[torch.randperm(live.numel(), generator=g)[:8]] for _ in range(4)])
+    read_all(mods, picks, torch.arange(4))  # some host rows: promoted at the next settle
+    store.faults = MoveFaults(fault="raise", moves=(move,), count=1)
+    store.begin_step([], {})
+    assert store.faults.fired == 1
+    lost = _unmapped(store, live)
+    assert lost.numel() > 0
+    if move == "promote":
+        assert bool(torch.isin(lost, picks).any())
+    blocks = store.take_lost_blocks()
+    assert blocks == set((lost // BS).tolist())
+    # Every group dropped the same kind of plan; the tables hold exactly the other entries.
+    survivors = live[~torch.isin(live, lost)]
+    for gr in store.groups:
+        gl = live[gr.mapping.loc.index_select(0, live) < 0]
+        assert set((gl // BS).tolist()) <= blocks
+    store.begin_step(sorted(blocks), {})
+    survivors = survivors[~torch.isin(survivors // BS, torch.tensor(sorted(blocks)))]
+    _check_tables(store, mods, survivors)
+
+
+def test_a_stalled_copy_delays_the_step_and_changes_nothing(monkeypatch):
+    """Stalled copies (every move sleeps) take longer and read the same rows."""
+    import ulacache_vllm.engine.move_faults as mf
+
+    slept = []
+    monkeypatch.setattr(mf.time, "sleep", slept.append)
+    store, mods = make_store(device_slots=64, host_slots=512, layers=("l.0",), leaders=("l.0",))
+    store.faults = mf.MoveFaults(fault="stall", count=-1, seconds=0.25)
+    live = _fill(store, mods, steps=6)
+    store.begin_step([], {})
+    picks = live[::5].unsqueeze(0)
+    read_all(mods, picks, torch.zeros(1, dtype=torch.int64))
+    store.begin_step([], {})
+    assert store.faults.fired > 0 and slept == [0.25] * store.faults.fired
+    assert store.failed_moves == 0 and store.take_lost_blocks() == set()
+    _check_tables(store, mods, live)
+
+
+def test_move_faults_are_off_by_default_and_armed_from_the_control_file(tmp_path, monkeypatch):
+    from ulacache_vllm.engine.move_faults import ENV, MoveFaultError, MoveFaults
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert MoveFaults.from_env() is None
+    assert make_store()[0].faults is None
+    ctl = tmp_path / "faults.json"
+    monkeypatch.setenv(ENV, str(ctl))
+    f = MoveFaults.from_env()
+    f.poll()  # no file yet: disarmed
+    f.before_copy("demote", 4)
+    ctl.write_text('{"fault": "raise", "moves": ["promote"], "skip": 1, "count": 1}')
+    f.poll()
+    f.before_copy("demote", 4)  # not a qualifying move
+    f.before_copy("promote", 4)  # skipped
+    with pytest.raises(MoveFaultError, match="promote copy of 4 rows"):
+        f.before_copy("promote", 4)
+    f.before_copy("promote", 4)  # count spent
+    f.poll()  # same text: not re-armed
+    f.before_copy("promote", 4)
+    ctl.write_text('{"fault": "raise", "moves": ["promote"], "skip": 1, "count": 1, "nonce": 2}')
+    f.poll()
+    f.before_copy("promote", 4)
+    with pytest.raises(MoveFaultError):
+        f.before_copy("promote", 4)
+    ctl.write_text("")
+    f.poll()
+    f.before_copy("promote", 4)
+    with pytest.raises(ValueError, match="unknown moves"):
+        MoveFaults(moves=("teleport",))
