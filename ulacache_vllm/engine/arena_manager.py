@@ -80,6 +80,7 @@ class _ArenaState:
         self.copies: list[np.ndarray] = []
         self.new: list[int] = []  # vids allocated since the last plan (zeroed by the worker)
         self._sent = np.full(0, -1, np.int64)  # the v2p table the worker has (vid 0 included)
+        self.dirty = False  # pages freed since the last plan (the worker's figures are stale)
         self.min_page = min(self.arena.page_bytes[1:])
 
     def staged_count(self) -> int:
@@ -146,6 +147,7 @@ class ArenaBlockPool(BlockPool):
                 dead.append(blk.block_id)
         if dead:
             self._state.arena.release(np.asarray(dead, np.int64))
+            self._state.dirty = True
 
     def touch(self, blocks) -> None:  # prefix caching is off under ulacache
         for blk in blocks:
@@ -273,9 +275,9 @@ class ArenaKVCacheManager(KVCacheManager):
         self.step_seq += 1
         every = self.layout.force_moves_every
         if every and self.step_seq % every == 0:
-            st = self._state
-            st.record_moves(self.arena.compact())
-            st.record_moves(self.arena.relayout())
+            # The test knob: compaction and relayout in turn, with real copies.
+            move = self.arena.relayout if self.step_seq // every % 2 else self.arena.compact
+            self._state.record_moves(move())
 
     def step_processed(self, seq: int) -> None:
         """The scheduler processed the output of step ``seq`` (steps complete in order)."""
@@ -294,6 +296,7 @@ class ArenaKVCacheManager(KVCacheManager):
         if len(changed):
             self.arena.register_use(changed, fence)
         self.arena.ledger.poll()
+        st.dirty = False
         plan = st.take_plan(changed, self.stats())
         plan.seq = seq
         return plan
@@ -324,7 +327,9 @@ class ArenaKVCacheManager(KVCacheManager):
         }
 
     def has_pending_frees(self) -> bool:
-        return False
+        # Freed pages keep the engine stepping once more (an empty step) so the worker's
+        # figures (``ulacache_usage``, /metrics) catch up when the engine goes idle.
+        return self._state.dirty
 
     def take_freed_blocks(self) -> list[int]:
         return []

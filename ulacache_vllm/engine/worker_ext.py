@@ -25,6 +25,7 @@ class UlaWorkerExtension:
                                      "block_size": g.block_size, "band": g.band}
                             for g in arena.layout.groups}
             out["max_requests"] = arena.layout.max_requests
+            out["kinds_null_bytes"] = arena.layout.null_page_bytes
             return out
         store = self._ulacache_store()
         out = dict(store.usage())

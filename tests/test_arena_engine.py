@@ -1,0 +1,150 @@
+"""`--kv-backend ulacache` on hybrid models: the arena in the real engine.
+
+Token-exact greedy parity against stock vLLM with the arena's moves forced (compactions,
+relayouts, bytes copied > 0) and under memory pressure (preemptions > 0), aborts, and the arena
+back to its null page with an empty ledger afterwards.
+
+- Qwen3-Next (GDN state + full attention) runs in bf16 (vLLM's CPU GDN kernels need it), whose
+  stock output is not batch-invariant: both backends run the *same schedule* (max_num_seqs 4,
+  every request admitted at once, no preemption on either side), so any difference is the KV
+  bytes' fault.
+- GPT-OSS (sliding window + full attention, sinks) runs in float32 against an ample stock
+  engine, with an arena too small for the workload: preemption and recompute must not change a
+  token.
+The tiny models' greedy output depends on the context (distinct tokens; GPT-OSS is built with
+`initializer_range` 0.1, at which its random logits are no longer flat).
+"""
+from __future__ import annotations
+
+import pytest
+
+from _vllm_subprocess import run_vllm_script
+
+pytestmark = pytest.mark.engine  # every test here boots vLLM
+
+SCRIPT = r"""
+from vllm import LLM, SamplingParams
+kw = dict(ARGS["kw"])
+llm = LLM(model=ARGS["model"], dtype=ARGS["dtype"], enforce_eager=True, max_model_len=1024,
+          max_num_batched_tokens=1024, seed=0, disable_log_stats=False, **kw)
+words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
+         "omicron pi rho sigma tau upsilon").split()
+prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(ARGS["base"] + 12 * i))
+           for i in range(8)]
+greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+res = {}
+
+def usage():
+    if ARGS["backend"] != "ulacache":
+        return None
+    return llm.collective_rpc("ulacache_usage")[0]
+
+# Outputs of different lengths: requests finish at different steps and leave holes.
+sps = [greedy(ARGS["out"] + 13 * (i % 5)) for i in range(8)]
+res["main"] = [o.outputs[0].token_ids for o in llm.generate(prompts, sps)]
+res["prompt_lens"] = [len(o.prompt_token_ids) for o in llm.generate(prompts[:2], greedy(1))]
+res["usage_main"] = usage()
+
+# Abort two requests mid-decode; the survivors must still match the reference.
+eng = llm.llm_engine
+for i in range(4):
+    eng.add_request(f"a{i}", prompts[i + 4], greedy(48))
+done, steps = {}, 0
+while eng.has_unfinished_requests():
+    for out in eng.step():
+        if out.finished:
+            done[out.request_id] = list(out.outputs[0].token_ids)
+    steps += 1
+    if steps == 6:
+        eng.abort_request(["a0", "a2"])
+res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
+llm.generate(prompts[:1], greedy(1))  # one more request: its step ships fresh figures
+res["usage_end"] = usage()
+metrics = {}
+for m in llm.get_metrics():
+    if m.name.startswith("vllm:ulacache_") or m.name == "vllm:num_preemptions":
+        metrics[m.name] = getattr(m, "value", None)
+res["metrics"] = metrics
+emit(res)
+"""
+
+
+def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int):
+    kw = {"kv_backend": backend, **kw}
+    return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend,
+                                         "dtype": dtype, "base": base, "out": out}, timeout=900)
+
+
+def _check_clean(u: dict) -> None:
+    """The arena holds only its null page, the ledger withholds nothing, every step's fence
+    (but the current one's) passed."""
+    assert u["arena_used_bytes"] == 0 and u["arena_live_pages"] == 0, u
+    assert u["arena_withheld_bytes"] == 0, u
+    assert u["arena_free_bytes"] + u["kinds_null_bytes"] == u["arena_total_bytes"], u
+    assert u["arena_fences_opened"] > 0, u
+    assert u["arena_fences_opened"] - u["arena_fences_passed"] <= 1, u
+
+
+def _check_distinct(tokens: list[list[int]]) -> None:
+    # Parity on near-constant output would prove nothing about the KV bytes.
+    assert all(len(set(t)) > len(t) // 3 for t in tokens), tokens
+    assert len({tuple(t[:8]) for t in tokens}) == len(tokens), tokens
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tiny_model):
+    model = tiny_model("qwen3_next")
+    same = dict(max_num_seqs=4)
+    # The arena: room for the 4 requests at once (no preemption either side: same schedule),
+    # with a compaction or relayout forced every 2 steps.
+    ula = _run(model, "ulacache", "bfloat16",
+               dict(same, kv_cache_memory_bytes=24 << 20, ula_arena_force_moves=2), 15, 40)
+    ref = _run(model, "vllm", "bfloat16", dict(same, kv_cache_memory_bytes=256 << 20), 15, 40)
+    return ref, ula
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_model):
+    model = tiny_model("gpt_oss", initializer_range=0.1)
+    # 8 requests of up to ~560 tokens need ~11 MiB of pages at once; the arena gets ~6.
+    ula = _run(model, "ulacache", "float32",
+               dict(max_num_seqs=8, kv_cache_memory_bytes=6 << 20, ula_arena_force_moves=3),
+               40, 100)
+    ref = _run(model, "vllm", "float32", dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20),
+               40, 100)
+    return ref, ula
+
+
+def test_qwen3_next_same_schedule_parity_with_forced_moves(qwen3_next):
+    ref, ula = qwen3_next
+    _check_distinct(ref["main"])
+    assert ula["main"] == ref["main"]
+    assert ula["abort_survivors"] == ref["abort_survivors"]
+    assert set(ref["abort_survivors"]) == {"a1", "a3"}
+    m = ula["metrics"]
+    assert m["vllm:num_preemptions"] == 0 == ref["metrics"]["vllm:num_preemptions"]
+    # The moves really ran, with real copies, and the tokens did not change.
+    assert m["vllm:ulacache_arena_compactions"] > 0, m
+    assert m["vllm:ulacache_arena_relayouts"] > 0, m
+    assert m["vllm:ulacache_arena_bytes_copied"] > 0, m
+    u = ula["usage_main"]
+    assert u["worker"]["bytes_copied"] == u["arena_bytes_copied"] > 0, u
+    # Natural page sizes: 32-token attention pages, state pages of exactly the state's bytes.
+    assert u["kinds"]["full"]["block_size"] == 32, u
+    assert set(u["kinds"]) == {"state", "full"}, u
+    _check_clean(ula["usage_end"])
+
+
+def test_gpt_oss_pressure_preemption_and_abort_parity(gpt_oss):
+    ref, ula = gpt_oss
+    _check_distinct(ref["main"])
+    assert min(ref["prompt_lens"]) > 128  # past the sliding window of 128
+    assert ula["main"] == ref["main"]
+    assert ula["abort_survivors"] == ref["abort_survivors"]
+    m = ula["metrics"]
+    assert m["vllm:num_preemptions"] > 0, m
+    assert ref["metrics"]["vllm:num_preemptions"] == 0
+    assert m["vllm:ulacache_arena_compactions"] + m["vllm:ulacache_arena_relayouts"] > 0, m
+    assert m["vllm:ulacache_arena_bytes_copied"] > 0, m
+    assert set(ula["usage_main"]["kinds"]) == {"sliding", "full"}, ula["usage_main"]
+    _check_clean(ula["usage_end"])
