@@ -1,0 +1,219 @@
+"""The arena's scheduler side over vLLM's real per-type managers (no engine): the byte gate,
+sliding-window pages going back to the arena, frees down to the null page, one fence per
+step, and the worker's plan executor and block-table translation keeping every page's bytes
+through compactions and relayouts."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from vllm.sampling_params import SamplingParams
+from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                        KVCacheTensor, SlidingWindowSpec)
+from vllm.v1.request import Request, RequestStatus
+
+from ulacache_vllm.engine.arena_manager import ArenaKVCacheManager
+from ulacache_vllm.engine.arena_sizing import ArenaGroup, ArenaLayout
+from ulacache_vllm.engine.arena_worker import ArenaWorker
+
+BS = 32
+MAX_LEN = 512
+FULL = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+SWA = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                        sliding_window=64)
+PAGE = FULL.page_size_bytes  # 2 KiB per layer page
+
+
+def _layout(total_pages: int) -> ArenaLayout:
+    groups = [ArenaGroup("sliding", "low", ("l0",), PAGE, BS, 4),
+              ArenaGroup("full", "high", ("l1",), PAGE, BS, MAX_LEN // BS)]
+    total = total_pages * PAGE
+    return ArenaLayout(groups, PAGE, total, total + PAGE, total + PAGE, MAX_LEN)
+
+
+def _manager(total_pages: int, force_moves: int = 0) -> ArenaKVCacheManager:
+    layout = _layout(total_pages)
+    layout.force_moves_every = force_moves
+    cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], SWA),
+                                         KVCacheGroupSpec(["l1"], FULL)])
+    cfg.ulacache_arena = layout
+    return ArenaKVCacheManager(cfg, max_model_len=MAX_LEN, scheduler_block_size=BS,
+                               hash_block_size=BS, enable_caching=False, max_in_flight_tokens=BS)
+
+
+def _worker(mgr) -> ArenaWorker:
+    lay = mgr.layout
+    buf = torch.zeros(lay.buffer_bytes, dtype=torch.int8)
+    w = ArenaWorker(lay, {"l0": buf[:PAGE], "l1": buf[PAGE:2 * PAGE]})
+    return w
+
+
+def _request(rid: str, n: int) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=1000), None)
+
+
+class Engine:
+    """Drives the manager the way vLLM's scheduler and the connector do, one step at a time,
+    and keeps each page's expected bytes to check the worker's copy of the arena."""
+
+    def __init__(self, mgr):
+        self.mgr, self.worker = mgr, _worker(mgr)
+        self.content: dict[int, int] = {}  # vid -> the byte value its page was filled with
+        self.next_fill = 1
+
+    def step(self, requests: dict[Request, int]):
+        self.mgr.new_step_starts()
+        got = {}
+        for req, n in requests.items():
+            blocks = self.mgr.allocate_slots(req, n)
+            got[req.request_id] = blocks
+            if blocks is not None:
+                req.status = RequestStatus.RUNNING
+        plan = self.mgr.take_step_plan()
+        self.worker.apply(plan)
+        for vid in self.mgr.arena.p2v(plan.zero[:, 0]).tolist():
+            self.content.pop(vid, None)  # a new page (a recycled vid): zeroed, refilled below
+            assert bool((self._page(vid) == 0).all())
+        self._check_pages()
+        for req, n in requests.items():
+            if got[req.request_id] is not None:
+                req.num_computed_tokens += n
+                for ids in self.mgr.get_block_ids(req.request_id):
+                    for vid in ids:
+                        if vid and vid not in self.content:
+                            self._fill(vid)
+        self.mgr.step_processed(plan.seq)
+        return got, plan
+
+    def _page(self, vid):
+        g = int(self.worker.v2g[vid])
+        off = g * self.mgr.layout.alignment
+        return self.worker.buf[off:off + PAGE]
+
+    def _fill(self, vid):
+        self.content[vid] = self.next_fill % 127 + 1
+        self.next_fill += 1
+        self._page(vid).fill_(self.content[vid])
+
+    def _check_pages(self):
+        live = {int(v) for v in self.mgr.arena.live_pages()[0]} - {0}
+        for vid in list(self.content):
+            if vid not in live:
+                del self.content[vid]  # freed (its vid may come back for a new page)
+        for vid, val in self.content.items():
+            page = self._page(vid)
+            assert bool((page == val).all()), (vid, val, page[:4])
+
+    def free(self, req):
+        self.mgr.free(req)
+
+
+def test_byte_gate_admits_what_fits_and_frees_back_to_the_null_page():
+    mgr = _manager(total_pages=40)
+    eng = Engine(mgr)
+    a, b = _request("a", 10 * BS), _request("b", 30 * BS)
+    got, _ = eng.step({a: a.num_tokens})
+    assert got["a"] is not None
+    # b's whole prompt (30 full pages + its sliding pages) does not fit beside a: refused,
+    # nothing allocated for it.
+    used = mgr.arena.used_bytes
+    got, _ = eng.step({b: b.num_tokens})
+    assert got["b"] is None and mgr.arena.used_bytes == used
+    eng.free(a)
+    got, _ = eng.step({b: b.num_tokens})
+    assert got["b"] is not None
+    eng.free(b)
+    assert mgr.arena.used_bytes == mgr.arena.page_bytes[0]  # the null page only
+    assert mgr.stats()["arena_used_bytes"] == 0 and mgr.arena.pending_bytes == 0
+
+
+def test_sliding_window_pages_go_back_to_the_arena_while_decoding():
+    mgr = _manager(total_pages=64)
+    eng = Engine(mgr)
+    a = _request("a", 3 * BS)
+    eng.step({a: a.num_tokens})
+    held = []
+    for _ in range(6 * BS):
+        a.append_output_token_ids(7)
+        eng.step({a: 1})
+        held.append(mgr.stats()["arena_used_by_kind"]["sliding"] // PAGE)
+    # Full attention grew by a page every 32 tokens; the window's pages stayed bounded.
+    assert max(held) <= 4 and held[-1] <= 4, held
+    assert mgr.stats()["arena_used_by_kind"]["full"] == 9 * PAGE
+
+
+def test_moves_keep_every_page_and_one_fence_per_step():
+    mgr = _manager(total_pages=48, force_moves=2)
+    eng = Engine(mgr)
+    reqs = [_request(f"r{i}", (2 + i) * BS) for i in range(5)]
+    eng.step({r: r.num_tokens for r in reqs})
+    copies = 0
+    for step in range(40):
+        live = [r for r in reqs if r.request_id in mgr.coordinator.single_type_managers[1].req_to_blocks]
+        if step in (3, 11):  # holes in both bands
+            eng.free(live[1])
+            live.pop(1)
+        for r in live:
+            r.append_output_token_ids(5)
+        _, plan = eng.step({r: 1 for r in live})
+        copies += sum(len(s) for s in plan.copies)
+    s = mgr.stats()
+    assert s["arena_compactions"] > 0 and s["arena_relayouts"] > 0 and copies > 0, s
+    assert eng.worker.counters["bytes_copied"] == s["arena_bytes_copied"]
+    # One fence per step, each passed once the step was processed.
+    assert s["arena_fences_opened"] == mgr.step_seq
+    assert not [f for f in mgr.arena.ledger.open_fences() if f.label != "null page"]
+
+
+def test_a_page_placed_in_a_step_in_flight_is_not_moved():
+    mgr = _manager(total_pages=48)
+    eng = Engine(mgr)
+    a, b = _request("a", 4 * BS), _request("b", 4 * BS)
+    eng.step({a: a.num_tokens, b: b.num_tokens})
+    eng.free(a)  # a hole below b's pages
+    mgr.new_step_starts()
+    c = _request("c", BS)
+    assert mgr.allocate_slots(c, c.num_tokens) is not None
+    plan = mgr.take_step_plan()  # c's pages fenced until step_processed
+    c_vids = {v for ids in mgr.get_block_ids("c") for v in ids}
+    before = mgr.arena.v2p(sorted(c_vids))
+    mgr.arena.relayout()
+    assert (mgr.arena.v2p(sorted(c_vids)) == before).all()
+    mgr.step_processed(plan.seq)
+    assert not [f for f in mgr.arena.ledger.open_fences() if f.label != "null page"]
+
+
+def test_block_table_translation_writes_granules_and_keeps_vids():
+    mgr = _manager(total_pages=16)
+    eng = Engine(mgr)
+    a = _request("a", 3 * BS)
+    eng.step({a: a.num_tokens})
+    vids = mgr.get_block_ids("a")[1]
+    cpu = torch.zeros(4, 8, dtype=torch.int32)
+    cpu[0, :len(vids)] = torch.tensor(vids, dtype=torch.int32)
+    table = SimpleNamespace(block_table=SimpleNamespace(cpu=cpu, gpu=cpu))  # aliased, as on CPU
+    eng.worker.translate(table, 1)
+    want = mgr.arena.v2p(vids) // mgr.layout.alignment
+    assert table.block_table.gpu[0, :len(vids)].tolist() == want.tolist()
+    assert cpu[0, :len(vids)].tolist() == list(vids)  # the host rows keep vids
+    assert table.block_table.gpu.data_ptr() != cpu.data_ptr()
+    eng.worker.close()
+
+
+@pytest.mark.parametrize("what", ["tp", "mamba2"])
+def test_unsupported_hybrid_setups_are_refused_with_the_fix(what):
+    from ulacache_vllm.engine import config, wiring
+
+    if what == "mamba2":
+        mc = SimpleNamespace(hf_config=SimpleNamespace(architectures=["NemotronHForCausalLM"]))
+        with pytest.raises(config.KVBackendError, match="Qwen3NextForCausalLM.*--kv-backend vllm"):
+            config.check_model_supported(mc)
+        return
+    vc = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2,
+                                                         pipeline_parallel_size=1))
+    with pytest.raises(config.KVBackendError, match="tensor_parallel_size 2.*--kv-backend vllm"):
+        wiring.prepare_arena(vc)
