@@ -184,7 +184,7 @@ def stock_hma_requests(vllm_config, grouped, budget: int) -> int | None:
     per token)`` with state pages padded to the attention page; groups of equal layer count,
     one block id per group page)."""
     try:
-        from vllm.v1.kv_cache_interface import MambaSpec
+        from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
         L = vllm_config.model_config.max_model_len
         attn = [(n, s) for n, s in grouped if not isinstance(s, MambaSpec)]
@@ -207,7 +207,7 @@ def stock_hma_requests(vllm_config, grouped, budget: int) -> int | None:
             ngroups = -(-len(names) // gsize)
             if isinstance(s, MambaSpec):
                 need = 1
-            elif hasattr(s, "sliding_window"):
+            elif isinstance(s, SlidingWindowSpec):
                 need = min(-(-(s.sliding_window - 1 + vllm_config.max_in_flight_tokens) // bs)
                            + 1, -(-L // bs))
             else:
