@@ -35,8 +35,11 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
             f"--kv-backend ulacache brings its own KV connector and cannot be combined with "
             f"--kv-transfer-config {ktc.kv_connector!r} yet; drop one of them."
         )
+    # A row copy that fails in the worker's move path is reported as lost blocks; "fail" ends
+    # the requests that own them with an error (never a silent recompute over lost rows).
     engine_args.kv_transfer_config = KVTransferConfig(
-        kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_connector_module_path=MODULE_PATH)
+        kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_connector_module_path=MODULE_PATH,
+        kv_load_failure_policy="fail")
     # Prefix caching stays off under ulacache: a cached block's rows may sit in the host tier,
     # and a hit must promote them before the prefill that reads them; that path (scheduler-side
     # hit + worker-side promotion of a cached prefix) is not built yet. vLLM's CPU build keeps

@@ -42,6 +42,10 @@ class UlaWorkerExtension:
             "remote_hits": t["remote_hits"],
             "remote_rows_fetched": t["remote_rows_fetched"],
             "remote_bytes_fetched": t["remote_bytes_fetched"],
+            # Row copies that failed in the move path, and the entries they lost (their
+            # requests ended with an error).
+            "failed_moves": store.failed_moves,
+            "lost_entries": store.lost_entries,
         }
         pols = [getattr(g.mapping.policy, "inner", g.mapping.policy) for g in store.groups]
         out["victim_paths"] = [getattr(p, "victim_path", p.name) for p in pols]
