@@ -112,7 +112,7 @@ def prepare_arena(vllm_config: Any) -> None:
         raise KVBackendError(
             f"--kv-backend ulacache's arena (hybrid models) runs with one worker per engine "
             f"for now: tensor_parallel_size {pc.tensor_parallel_size}, pipeline_parallel_size "
-            f"{pc.pipeline_parallel_size} are not supported yet (data parallelism is).{fix}")
+            f"{pc.pipeline_parallel_size} are not supported yet.{fix}")
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise KVBackendError("--kv-backend ulacache's arena (hybrid models) does not support "
                              f"speculative decoding yet.{fix}")
