@@ -186,19 +186,18 @@ def _check_generation(res, vocab_size=1024):
     assert res["prompt_lens"][0] > 150
 
 
+# Families whose stock engine runs elsewhere in the suite with stricter checks are not booted
+# again here just to see them generate: the DSA models (token parity under pressure in
+# tests/test_ulacache_engine.py, an HF reference in test_hf_reference.py), Qwen3-Next and
+# GPT-OSS (test_arena_engine.py), DeepSeek-V3 (the dense twin below).
+COVERED_ELSEWHERE = {"qwen3_next", "gpt_oss", "deepseek_v3"}
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("name", NON_DSA)
+@pytest.mark.parametrize("name", [n for n in NON_DSA if n not in COVERED_ELSEWHERE])
 def test_vllm_generates(name, tiny_model):
     res = vllm_generate(tiny_model(name), PROMPTS, max_tokens=MAX_TOKENS,
                         dense_mla=FAMILIES[name].mla)
-    _check_generation(res)
-
-
-@pytest.mark.engine
-@needs_dsa_plugin
-@pytest.mark.parametrize("name", DSA)
-def test_vllm_generates_dsa(name, tiny_model):
-    res = vllm_generate(tiny_model(name), PROMPTS, max_tokens=MAX_TOKENS, mla=True)
     _check_generation(res)
 
 

@@ -271,7 +271,9 @@ def test_tensor_parallel_2_replicate_parity_under_pressure(stock_tp2):
     assert m["vllm:ulacache_demotions"] == 2 * t0["demotions"], (m, t0)
 
 
-@pytest.mark.parametrize("name", ["deepseek_v32", "glm_dsa"])
+# GLM DSA takes the same sharded path (its TP=1 runs are in ``runs``); one model keeps the
+# suite's TP=2 boots down.
+@pytest.mark.parametrize("name", ["deepseek_v32"])
 def test_tensor_parallel_2_shard_parity_under_pressure(stock_tp2, name):
     """``--ula-tp-mode shard`` (the default): token t's MLA row and indexer key live on rank
     t mod 2 only. Greedy output equals stock TP=2 under pressure; on every rank rows were
