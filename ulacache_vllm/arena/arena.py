@@ -113,6 +113,20 @@ class Arena:
     def p2v(self, offsets) -> np.ndarray:
         return self._ids.p2v(offsets)
 
+    def placement(self) -> tuple[np.ndarray, np.ndarray]:
+        """Read-only views of the whole vid tables: (byte offset, kind index) per vid; -1 for
+        unmapped vids. For callers that mirror the placement elsewhere (a worker's vid ->
+        position table) and diff it in one vector operation."""
+        v2p, kind = self._ids.tables()
+        v2p.flags.writeable = False
+        kind.flags.writeable = False
+        return v2p, kind
+
+    @property
+    def num_pages(self) -> int:
+        """Live pages (every kind)."""
+        return len(self._ids)
+
     def live_pages(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(vids, offsets, page bytes) of every live page."""
         vids, offs, kinds = self._ids.live()

@@ -85,6 +85,10 @@ class VirtualIds:
     def p2v(self, offsets) -> np.ndarray:
         return np.array([self._p2v[int(p)] for p in as_ids(offsets).ravel()], dtype=np.int64)
 
+    def tables(self) -> tuple[np.ndarray, np.ndarray]:
+        """Views of (v2p, kind) over every vid (UNMAPPED / -1 where unmapped)."""
+        return self._v2p.view(), self._kind.view()
+
     def kind_of(self, vids) -> np.ndarray:
         return self._kind[as_ids(vids)]
 

@@ -89,22 +89,22 @@ class _ArenaState:
     def changed_vids(self) -> np.ndarray:
         """Live vids whose placement changed since the last plan (allocated or moved): one
         vectorised comparison of the v2p table against the one the worker has."""
-        v2p = self.arena._ids._v2p
+        v2p, _ = self.arena.placement()
         if len(self._sent) < len(v2p):
             self._sent = np.concatenate([self._sent, np.full(len(v2p) - len(self._sent), -1)])
         changed = np.flatnonzero(v2p != self._sent[:len(v2p)])
         return changed[v2p[changed] >= 0]
 
     def take_plan(self, changed: np.ndarray, stats: dict) -> ArenaStepPlan:
-        ids = self.arena._ids
-        offs = ids._v2p[changed]
-        self._sent = ids._v2p.copy()
+        v2p, kind = self.arena.placement()
+        offs = v2p[changed]
+        self._sent = v2p.copy()
         new = np.unique(np.asarray(self.new, np.int64))
-        new = new[ids._v2p[new] >= 0] if len(new) else new
+        new = new[v2p[new] >= 0] if len(new) else new
         zero = np.zeros((0, 2), np.int64)
         if len(new):
-            sizes = np.asarray(self.arena.page_bytes, np.int64)[ids._kind[new]]
-            zero = np.stack([ids._v2p[new], sizes], axis=1)
+            sizes = np.asarray(self.arena.page_bytes, np.int64)[kind[new]]
+            zero = np.stack([v2p[new], sizes], axis=1)
         plan = ArenaStepPlan(self.copies, changed, offs // self.layout.alignment, zero, stats)
         self.copies, self.new = [], []
         return plan
@@ -320,7 +320,7 @@ class ArenaKVCacheManager(KVCacheManager):
             "arena_pages_moved": s["pages_moved"],
             "arena_bytes_copied": s["bytes_copied"],
             "arena_shortfalls": s["shortfalls"],
-            "arena_live_pages": len(a._ids) - 1,
+            "arena_live_pages": a.num_pages - 1,
             "arena_fences_opened": self.fences["opened"],
             "arena_fences_passed": self.fences["opened"] - len(
                 [f for f in a.ledger.open_fences() if f.label != "null page"]),
