@@ -128,31 +128,25 @@ def _worker(cfg: dict) -> dict:
                       cur["ladder_s"], cur["ladder_calls"]))
         return out
 
-    def allocate_slots(*a, **k):
-        t = time.perf_counter()
-        try:
-            return orig_alloc(*a, **k)
-        finally:
-            cur["alloc_s"] += time.perf_counter() - t
-            cur["alloc_calls"] += 1
+    def timed(fn, key):  # fn, adding its time and calls to this step's counters
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                cur[f"{key}_s"] += time.perf_counter() - t
+                cur[f"{key}_calls"] += 1
+
+        return wrapper
 
     def preempt(*a, **k):
         cur["preempt"] += 1
         return orig_preempt(*a, **k)
 
-    sch.schedule, kvm.allocate_slots, sch._preempt_request = schedule, allocate_slots, preempt
+    sch.schedule, sch._preempt_request = schedule, preempt
+    kvm.allocate_slots = timed(orig_alloc, "alloc")
     if arena is not None:
-        orig_ladder = arena.allocate
-
-        def ladder(*a, **k):
-            t = time.perf_counter()
-            try:
-                return orig_ladder(*a, **k)
-            finally:
-                cur["ladder_s"] += time.perf_counter() - t
-                cur["ladder_calls"] += 1
-
-        arena.allocate = ladder
+        arena.allocate = timed(arena.allocate, "ladder")
 
     def arena_stats():
         return dict(kvm.stats()) if arena is not None else None
