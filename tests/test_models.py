@@ -189,8 +189,8 @@ def _check_generation(res, vocab_size=1024):
 # Families whose stock engine runs elsewhere in the suite with stricter checks are not booted
 # again here just to see them generate: the DSA models (token parity under pressure in
 # tests/test_ulacache_engine.py, an HF reference in test_hf_reference.py), Qwen3-Next and
-# GPT-OSS (test_arena_engine.py), DeepSeek-V3 (the dense twin below).
-COVERED_ELSEWHERE = {"qwen3_next", "gpt_oss", "deepseek_v3"}
+# GPT-OSS and Gemma 3 (test_arena_engine.py), DeepSeek-V3 (the dense twin below).
+COVERED_ELSEWHERE = {"qwen3_next", "gpt_oss", "gemma3", "deepseek_v3"}
 
 
 @pytest.mark.engine
