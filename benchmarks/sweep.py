@@ -167,6 +167,16 @@ def bench_point(base: str, model: str, c: int, a, out_dir: Path, env: dict) -> d
 
 
 def configurations(a) -> list[tuple[str, list[str]]]:
+    if a.hybrid:
+        # Hybrid models: one KV budget D for stock HMA (its default block), stock with
+        # 32-token blocks (vLLM re-aligns a GDN hybrid's block anyway), and the ulacache arena.
+        common = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len),
+                  "--max-num-seqs", str(max(a.concurrency)), "--seed", "0",
+                  "--kv-cache-memory-bytes", str(a.device_bytes)]
+        out = [("stock", ["--kv-backend", "vllm"]),
+               ("stock-bs32", ["--kv-backend", "vllm", "--block-size", "32"]),
+               ("ulacache-arena", ["--kv-backend", "ulacache"])]
+        return [(n, [a.model_path] + args + common) for n, args in out]
     D, H = a.device_bytes, a.host_bytes
     gib = H / (1 << 30)
     common = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len),
@@ -189,6 +199,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="DSA model (default: the embedded tiny one)")
+    ap.add_argument("--hybrid", choices=("qwen3_next", "gpt_oss"), default=None,
+                    help="sweep a tiny hybrid model instead (stock, stock --block-size 32, "
+                         "the ulacache arena at one KV budget --device-bytes)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device-bytes", type=int, default=12_000_000, help="D: device KV budget")
     ap.add_argument("--host-bytes", type=int, default=24_000_000, help="H: host pool")
@@ -206,6 +219,15 @@ def main() -> None:
     a = ap.parse_args()
     if a.quick:
         a.concurrency, a.input_len, a.output_len, a.prompts_per_level = [1, 4, 12], 256, 32, 2
+    if a.hybrid:
+        from hybrid_capacity import MODELS, _model_path
+
+        if a.tp > 1:
+            ap.error("--hybrid runs with --tp 1 (the arena refuses TP > 1 for now)")
+        a.model = a.model or _model_path(a.hybrid)
+        a.dtype = MODELS[a.hybrid]["dtype"]
+        if a.device_bytes == ap.get_default("device_bytes"):
+            a.device_bytes = 64 << 20
     if a.model is None:
         from capacity import _build_default_model
 
@@ -247,7 +269,8 @@ def main() -> None:
               f"{p['median_tpot_ms'] or 0:>9.2f} {p['p99_tpot_ms'] or 0:>9.2f} "
               f"{p['median_ttft_ms'] or 0:>9.1f} {m['vllm:num_requests_running']:>11.0f} "
               f"{m['vllm:num_preemptions_total']:>8.0f}")
-    out = Path(a.out) / ("sweep_quick" if a.quick else "sweep")
+    stem = "sweep" + (f"_{a.hybrid}" if a.hybrid else "") + (f"_tp{a.tp}" if a.tp > 1 else "")
+    out = Path(a.out) / (stem + ("_quick" if a.quick else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
     args = {k: v for k, v in vars(a).items() if k != "model_path"}
     out.with_suffix(".json").write_text(json.dumps(
