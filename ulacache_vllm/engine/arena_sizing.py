@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .config import KVBackendError, UlaSettings, report_engine_error
+from .config import KVBackendError, UlaSettings, reported_to_front_end
 
 MIN_ALIGNMENT = 256
 MAX_GRANULES = 1 << 22  # granule count (views' dim 0); the alignment grows beyond this
@@ -224,12 +224,9 @@ def get_kv_cache_configs(vllm_config, kv_cache_specs: list[dict], available_memo
     buffer, ``num_blocks`` = granules."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
-    try:
+    with reported_to_front_end():
         plans = [plan_arena(vllm_config, s, a, settings)
                  for s, a in zip(kv_cache_specs, available_memory)]
-    except KVBackendError as e:
-        report_engine_error(e)
-        raise
     layout, _ = min(plans, key=lambda p: p[0].total_bytes)
     configs = []
     for _, grouped in plans:

@@ -46,6 +46,19 @@ def report_engine_error(err: KVBackendError) -> None:
             pass  # the engine log still has the message
 
 
+class reported_to_front_end:
+    """``with reported_to_front_end(): ...`` in the engine core: a KVBackendError raised inside
+    is left for the front end (`report_engine_error`) and re-raised."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb) -> bool:
+        if isinstance(err, KVBackendError):
+            report_engine_error(err)
+        return False
+
+
 def take_engine_error() -> str | None:
     """Front-end side: the message an engine core left, if any (read once)."""
     import os

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import KVBackendError, UlaSettings, report_engine_error
+from .config import KVBackendError, UlaSettings, reported_to_front_end
 
 GIB = 1 << 30
 
@@ -283,12 +283,9 @@ def apply_batch_tokens(vllm_config, layout: UlaLayout) -> None:
 def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict], available_memory: list[int],
                          settings: UlaSettings):
     """ulacache's replacement for vLLM's `get_kv_cache_configs` (same signature + `orig`)."""
-    try:
+    with reported_to_front_end():
         layouts = [plan_layout(vllm_config, s, a, settings)
                    for s, a in zip(kv_cache_specs, available_memory)]
-    except KVBackendError as e:
-        report_engine_error(e)
-        raise
     layout = min(layouts, key=lambda l: l.num_blocks)
     # The step budget every worker can hold: the smallest lowered value, if any was lowered.
     lowered = [l.batch_tokens_lowered for l in layouts if l.batch_tokens_lowered]
