@@ -170,6 +170,23 @@ def host_mla_path() -> str:
     """The path vLLM picks by default for MLA on this host."""
     return "amx" if host_has_amx() else "reference"
 
+# Script fragment (``llm``, ``prompts`` (8+), ``greedy(n)`` and ``abort_tokens`` in scope):
+# four requests stepped through the engine, two aborted mid-decode at the sixth step; leaves
+# ``done``, the finished requests' tokens by id (the survivors "a1", "a3").
+ABORT_TWO_OF_FOUR = """
+eng = llm.llm_engine
+for i in range(4):
+    eng.add_request(f"a{i}", prompts[i + 4], greedy(abort_tokens))
+done, steps = {}, 0
+while eng.has_unfinished_requests():
+    for out in eng.step():
+        if out.finished:
+            done[out.request_id] = list(out.outputs[0].token_ids)
+    steps += 1
+    if steps == 6:
+        eng.abort_request(["a0", "a2"])
+"""
+
 _GENERATE = """
 from vllm import LLM, SamplingParams
 llm = LLM(model=ARGS["model"], **ARGS["llm_kwargs"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import run_vllm_script
+from _vllm_subprocess import ABORT_TWO_OF_FOUR, run_vllm_script
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -47,18 +47,8 @@ res["prompt_lens"] = [len(o.prompt_token_ids) for o in llm.generate(prompts[:2],
 res["usage_main"] = usage()
 
 # Abort two requests mid-decode; the survivors must still match the reference.
-eng = llm.llm_engine
-for i in range(4):
-    eng.add_request(f"a{i}", prompts[i + 4], greedy(48))
-done, steps = {}, 0
-while eng.has_unfinished_requests():
-    for out in eng.step():
-        if out.finished:
-            done[out.request_id] = list(out.outputs[0].token_ids)
-    steps += 1
-    if steps == 6:
-        eng.abort_request(["a0", "a2"])
-res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
+abort_tokens = 48
+""" + ABORT_TWO_OF_FOUR + r"""res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
 llm.generate(prompts[:1], greedy(1))  # one more request: its step ships fresh figures
 res["usage_end"] = usage()
 metrics = {}

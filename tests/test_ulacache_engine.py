@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import host_mla_path, mla_path_kwargs, run_vllm_script
+from _vllm_subprocess import ABORT_TWO_OF_FOUR, host_mla_path, mla_path_kwargs, run_vllm_script
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -36,18 +36,8 @@ def usage():
     return ranks[0] if len(ranks) == 1 else ranks
 
 # Abort two requests mid-decode; the survivors must still match the reference.
-eng = llm.llm_engine
-for i in range(4):
-    eng.add_request(f"a{i}", prompts[i + 4], greedy(64))
-done, steps = {}, 0
-while eng.has_unfinished_requests():
-    for out in eng.step():
-        if out.finished:
-            done[out.request_id] = list(out.outputs[0].token_ids)
-    steps += 1
-    if steps == 6:
-        eng.abort_request(["a0", "a2"])
-res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
+abort_tokens = 64
+""" + ABORT_TWO_OF_FOUR + r"""res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
 res["aborted_finished"] = sorted(k for k in done if k in ("a0", "a2"))
 res["usage_after_abort"] = usage()
 
