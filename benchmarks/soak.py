@@ -20,6 +20,7 @@ aborted during prefill, bursts beyond capacity; checked against a stock `vllm se
     python benchmarks/soak.py --quick            # ~5 minutes here; writes soak_quick.json
     python benchmarks/soak.py --duration 1800    # a longer manual run; writes soak.json
     python benchmarks/soak.py --quick --tp 2     # both servers at --tensor-parallel-size 2
+    python benchmarks/soak.py --quick --hybrid gpt_oss   # a hybrid through the arena
 
 Exits 1 when a check fails. Prints a summary table and writes ``soak[_tpP][_quick].json``
 into ``--out`` (default benchmarks/results/).
@@ -48,8 +49,11 @@ WORDS = ("the cache keeps every token key and value so model does not recompute 
 COUNTERS = ("vllm:ulacache_demotions_total", "vllm:ulacache_promotions_total",
             "vllm:ulacache_bytes_moved_total", "vllm:ulacache_lookups_total",
             "vllm:ulacache_hits_total", "vllm:ulacache_fast_path_exits_total",
-            "vllm:num_preemptions_total", "vllm:ulacache_remote_rows_fetched_total")
+            "vllm:num_preemptions_total", "vllm:ulacache_remote_rows_fetched_total",
+            "vllm:ulacache_arena_compactions_total", "vllm:ulacache_arena_relayouts_total",
+            "vllm:ulacache_arena_bytes_copied_total")
 LEVELS = ("vllm:ulacache_device_used", "vllm:ulacache_host_used",
+          "vllm:ulacache_arena_used_bytes", "vllm:ulacache_arena_withheld_bytes",
           "vllm:num_requests_running", "vllm:num_requests_waiting")
 
 
@@ -174,6 +178,10 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="DSA model (default: the embedded tiny one)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--hybrid", choices=("gpt_oss",), default=None,
+                    help="soak a tiny hybrid model through the arena instead (float32; "
+                         "--device-bytes is then the arena's KV budget, compactions and "
+                         "relayouts forced every 4 steps)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size of both servers")
     ap.add_argument("--device-bytes", type=int, default=11_000_000,
                     help="ulacache device KV budget (small: forced pressure)")
@@ -204,6 +212,14 @@ def main() -> int:
     a = ap.parse_args()
     if a.quick:
         a.duration, a.prompts, a.output_len, a.burst_every, a.burst_len = 150, 16, 32, 40, 12
+    if a.hybrid:
+        from hybrid_capacity import _model_path
+
+        if a.tp > 1:
+            ap.error("--hybrid runs with --tp 1 (the arena refuses TP > 1 for now)")
+        a.model = a.model or _model_path(a.hybrid)
+        if a.device_bytes == ap.get_default("device_bytes"):
+            a.device_bytes = 6 << 20
     if a.model is None:
         from capacity import _build_default_model
 
@@ -220,9 +236,10 @@ def main() -> int:
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(a.tp)))
     stock_args = [a.model, "--kv-backend", "vllm", "--kv-cache-memory-bytes",
                   str(a.stock_bytes), "--max-num-seqs", "8", *common]
+    tiers = (["--ula-arena-force-moves", "4"] if a.hybrid else
+             ["--ula-host-pool-gib", f"{a.host_bytes / (1 << 30):.6f}"])
     ula_args = [a.model, "--kv-backend", "ulacache", "--kv-cache-memory-bytes",
-                str(a.device_bytes), "--ula-host-pool-gib", f"{a.host_bytes / (1 << 30):.6f}",
-                "--max-num-seqs", str(a.max_num_seqs), *common]
+                str(a.device_bytes), *tiers, "--max-num-seqs", str(a.max_num_seqs), *common]
     prompts = make_prompts(a.prompts, a.min_words, a.max_words, a.seed)
     logs = Path(tempfile.mkdtemp(prefix="soak_"))
     timing = {}
@@ -265,7 +282,11 @@ def main() -> int:
         "no_failures": not failed,
         "uncut_equal_stock": not mismatches and len(full) > 0,
         "cut_prefix_of_stock": not cut_not_prefix,
-        "under_pressure": delta["vllm:ulacache_demotions_total"] > 0,
+        # DSA: rows went to the host tier; the arena: pages moved (forced) and running
+        # requests were preempted.
+        "under_pressure": (delta["vllm:ulacache_arena_bytes_copied_total"] > 0
+                           and delta["vllm:num_preemptions_total"] > 0) if a.hybrid else
+        delta["vllm:ulacache_demotions_total"] > 0,
         "still_serving": still_serving,
     }
     summary = {
@@ -278,6 +299,9 @@ def main() -> int:
         "promotions": delta["vllm:ulacache_promotions_total"],
         "preemptions": delta["vllm:num_preemptions_total"],
         "bytes_moved": delta["vllm:ulacache_bytes_moved_total"],
+        "arena_compactions": delta["vllm:ulacache_arena_compactions_total"],
+        "arena_relayouts": delta["vllm:ulacache_arena_relayouts_total"],
+        "arena_bytes_copied": delta["vllm:ulacache_arena_bytes_copied_total"],
         "full_e2e_p50_s": pct(e2e, 0.5), "full_e2e_p99_s": pct(e2e, 0.99),
         "full_ttft_p50_s": pct(ttft, 0.5), "full_ttft_p99_s": pct(ttft, 0.99),
         "output_tokens_full": len(full) * a.output_len,
@@ -295,6 +319,9 @@ def main() -> int:
             ("demotions / promotions", f"{summary['demotions']:.0f} / "
                                        f"{summary['promotions']:.0f}"),
             ("preemptions", f"{summary['preemptions']:.0f}"),
+            ("arena compactions / relayouts / bytes copied",
+             f"{summary['arena_compactions']:.0f} / {summary['arena_relayouts']:.0f} / "
+             f"{summary['arena_bytes_copied']:.0f}"),
             ("full stream e2e p50 / p99 (s)", f"{summary['full_e2e_p50_s'] or 0:.2f} / "
                                               f"{summary['full_e2e_p99_s'] or 0:.2f}"),
             ("pools + queues after (dev, host, run, wait)",
@@ -312,7 +339,8 @@ def main() -> int:
     for r in mismatches[:5]:
         print(f"  mismatch request {r['i']} prompt {r['prompt']}: {r['text'][:80]!r} vs "
               f"{ref[r['prompt']][:80]!r}")
-    name = "soak" + (f"_tp{a.tp}" if a.tp > 1 else "") + ("_quick" if a.quick else "")
+    name = ("soak" + (f"_{a.hybrid}" if a.hybrid else "") + (f"_tp{a.tp}" if a.tp > 1 else "")
+            + ("_quick" if a.quick else ""))
     out = Path(a.out) / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
