@@ -76,3 +76,57 @@ def test_granule_views_attend_like_a_dense_cache(window):
     want1 = _attend(torch.zeros_like(dense), table(dense_ids), q, -k, 2 * v, slots(dense_ids),
                     seq_lens, qsl, window)
     assert torch.equal(got1, want1)
+
+
+def test_gdn_state_views_update_like_a_dense_state():
+    """The recurrent (GDN) decode update reads and writes each request's state in place
+    through its state index: through granule views over one buffer (states of two layers of a
+    page side by side, pages overlapping in the view) it matches a dense state tensor."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    torch.manual_seed(0)
+    hk, hv, kd, vd = 2, 4, 128, 128
+    shapes = ((3, 1024), (hv, vd, kd))
+    dtypes = (torch.bfloat16, torch.float32)
+    spec = MambaSpec(block_size=1024, shapes=shapes, dtypes=dtypes)
+    page = spec.page_size_bytes  # one layer's conv + ssm state
+    align = 2048
+    assert page % align == 0
+    granules = 4 * page // align
+    raw = torch.zeros(granules * align + 2 * page, dtype=torch.int8)
+    tensor = KVCacheTensor(size=raw.numel(), layers=["g0", "g1"], layer_stride=page,
+                           block_stride=align, offset=0)
+    views = create_kv_cache_views(raw, spec, granules, KVCacheLayout.LBHNC, tensor)
+
+    def ssm_of(view):  # what MambaBase.bind_kv_cache makes of a layer's [B, 1, 1, C] pages
+        pages = view.squeeze(dim=(1, 2))
+        conv = 3 * 1024 * 2
+        return pages[:, conv:conv + hv * vd * kd * 4].view(torch.float32).view(-1, hv, kd, vd)
+
+    ssm0, ssm1 = ssm_of(views[0]), ssm_of(views[1])
+    dense = torch.zeros(3, hv, kd, vd)
+    # Two requests' states: granules 0 and 2 * page / align (pages of 2 layers each).
+    g = torch.tensor([0, 2 * page // align], dtype=torch.int32)
+    d = torch.tensor([0, 2], dtype=torch.int32)
+    init = torch.randn(2, hv, kd, vd) * 0.1
+    ssm0[g.long()] = init
+    ssm1[g.long()] = -init  # the other layer's state beside it in the same pages
+    dense[d.long()] = init
+    A_log, dt_bias = torch.randn(hv, dtype=torch.bfloat16), torch.randn(hv, dtype=torch.bfloat16)
+    outs = []
+    for state, idx in ((ssm0, g), (dense, d)):
+        torch.manual_seed(1)
+        q = torch.randn(1, 2, hv, kd, dtype=torch.bfloat16)
+        k = torch.randn(1, 2, hv, kd, dtype=torch.bfloat16)
+        v = torch.randn(1, 2, hv, vd, dtype=torch.bfloat16)
+        a, b = torch.randn(2, hv, dtype=torch.bfloat16), torch.randn(2, hv, dtype=torch.bfloat16)
+        out = ops.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log=A_log, dt_bias=dt_bias, q=q, k=k, v=v, a=a, b=b,
+            initial_state_source=state, initial_state_indices=idx,
+            cu_seqlens=torch.tensor([0, 1, 2], dtype=torch.int32),
+            use_qk_l2norm_in_kernel=True)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(ssm0[g.long()], dense[d.long()])
+    assert not torch.equal(dense[d.long()], init)  # the update really wrote the states
+    assert torch.equal(ssm1[g.long()], -init)  # and nothing of the other layer's
