@@ -324,7 +324,7 @@ def main() -> int:
              f"{summary['arena_bytes_copied']:.0f}"),
             ("full stream e2e p50 / p99 (s)", f"{summary['full_e2e_p50_s'] or 0:.2f} / "
                                               f"{summary['full_e2e_p99_s'] or 0:.2f}"),
-            ("pools + queues after (dev, host, run, wait)",
+            ("pools + queues after (dev, host, arena used, arena withheld, run, wait)",
              " ".join(f"{after[n]:.0f}" for n in LEVELS)),
             ("drained in (s)", f"{drain_s:.1f}"),
             ("boot stock / ulacache, reference, load (s)",
