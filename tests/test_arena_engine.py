@@ -26,8 +26,11 @@ pytestmark = pytest.mark.engine  # every test here boots vLLM
 SCRIPT = r"""
 from vllm import LLM, SamplingParams
 kw = dict(ARGS["kw"])
+# Pinned on every host: the step budget, and prefix caching off on both sides (ulacache turns
+# it off; stock hybrids may default to it, whose mamba "align" mode changes the schedule).
 llm = LLM(model=ARGS["model"], dtype=ARGS["dtype"], enforce_eager=True, max_model_len=1024,
-          max_num_batched_tokens=1024, seed=0, disable_log_stats=False, **kw)
+          max_num_batched_tokens=1024, enable_prefix_caching=False, seed=0,
+          disable_log_stats=False, **kw)
 words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
          "omicron pi rho sigma tau upsilon").split()
 prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(ARGS["base"] + 12 * i))
