@@ -1,7 +1,8 @@
 """The capacity planner (`python -m ulacache_vllm.planner`): the presets print a table, its
-ulacache figures are the engine's own `plan_layout` figures, TP sharding beats replication and
-stock, the H200 -> B300 direction, clear errors for bad inputs, and (one engine boot) the
-planner's figure equals the engine's startup figure on the tiny model."""
+ulacache figures are the engine's own `plan_layout` (DSA) and `plan_arena` (hybrids) figures,
+TP sharding beats replication and stock, the H200 -> B300 direction, clear errors for bad
+inputs, and (one engine boot per family: tiny DeepSeek-V3.2, tiny Qwen3-Next) the planner's
+figure equals the engine's startup figure."""
 from __future__ import annotations
 
 import subprocess
@@ -9,12 +10,12 @@ import sys
 
 import pytest
 
-from ulacache_vllm.engine import sizing
+from ulacache_vllm.engine import arena_sizing, sizing
 from ulacache_vllm.engine.config import KVBackendError, UlaSettings
 from ulacache_vllm.planner import PlannerError, load_model, make_cluster, plan
 from ulacache_vllm.planner.__main__ import main
 from ulacache_vllm.planner.capacity import vllm_config
-from ulacache_vllm.planner.model import dsa_specs
+from ulacache_vllm.planner.model import arena_specs, attention_token_bytes, dsa_specs
 from ulacache_vllm.planner.presets import MODEL_PRESETS
 
 L128K = 128 << 10
@@ -48,9 +49,10 @@ def test_presets_print_a_table(name, capsys):
                       "ulacache DP", "ulacache TP shard"):
             assert f"| {label}" in out
         assert "Gain over stock vLLM" in out
-    else:  # hybrids: stock HMA vs natural pages, the DSA rows marked as not applying
+    else:  # hybrids: stock HMA vs the arena, the DSA rows marked as not applying
         assert "| stock vLLM, HMA page geometry |" in out
-        assert "| natural page sizes (model) |" in out and "not a DSA model" in out
+        assert "| ulacache arena (natural page sizes) |" in out and "not a DSA model" in out
+        assert "engine.arena_sizing.plan_arena" in out
 
 
 def test_json_output(capsys):
@@ -146,13 +148,58 @@ def test_capped_host_pool_is_the_largest_that_starts(dsa_plans):
                            UlaSettings(host_pool_gib=gib + 1 / 1024))
 
 
-def test_hybrid_natural_pages_hold_at_least_stock():
-    for name in ("qwen3-next-80b", "gpt-oss-120b"):
-        model = load_model(name)
-        for tokens in (8 << 10, L128K):
-            p = plan(model, make_cluster("8xH200"), tokens)
-            assert p.row("natural").requests >= p.row("hma_stock").requests > 0
-            assert p.row("ulacache_shard").error and p.row("hisparse_shared").error
+@pytest.mark.parametrize("name", ["qwen3-next-80b", "gpt-oss-120b"])
+def test_arena_rows_are_the_engines_plan_arena(name, monkeypatch):
+    """Same inputs, same code path: the arena row is what engine.arena_sizing.plan_arena
+    returns for the engine's arena specs and the KV budget; its requests are the layout's
+    max_requests (the engine's startup figure), less the null page."""
+    model = load_model(name)
+    calls = []
+    real = arena_sizing.plan_arena
+
+    def spy(*a, **kw):
+        calls.append(real(*a, **kw))
+        return calls[-1]
+
+    monkeypatch.setattr(arena_sizing, "plan_arena", spy)
+    for tokens in (1280, L128K):
+        p = plan(model, make_cluster("8xH200"), tokens)
+        row = p.row("arena")
+        assert calls and row.layout is calls[-1][0], "the arena row must come from plan_arena"
+        lay = row.layout
+        assert lay.budget_bytes == p.kv_budget and lay.max_model_len == tokens
+        assert row.requests == lay.max_requests > 0 and row.tokens == row.requests * tokens
+        assert row.requests == ((lay.total_bytes - lay.null_page_bytes)
+                                // lay.request_bytes(tokens))
+        # The engine's page geometry: 32-token attention pages, one state page of exactly
+        # the state's bytes per GDN layer (no padding to the attention page).
+        specs = arena_specs(p.model, p.kv_dtype, p.cluster.tp, tokens)
+        by_kind = {g.kind: g for g in lay.groups}
+        for g in lay.groups:
+            assert g.layer_page_bytes == specs[g.layer_names[0]].page_size_bytes
+            if not g.kind.startswith("state"):
+                assert g.block_size == 32
+        if name.startswith("qwen3"):
+            assert by_kind["state"].pages_per_max_request == 1
+            padded = p.block_size * attention_token_bytes(p.model, p.kv_dtype, p.cluster.tp)
+            assert by_kind["state"].layer_page_bytes < padded  # stock's page: padded
+        else:  # vLLM's sliding admission cap: window - 1 + tokens in flight, + 1 page
+            cap = min(model.config["sliding_window"] - 1 + p.cluster.max_num_batched_tokens,
+                      tokens)
+            assert by_kind["sliding"].pages_per_max_request == -(-cap // 32) + 1
+        assert p.row("ulacache_shard").error and p.row("hisparse_shared").error
+
+
+def test_arena_beats_stock_hma_where_stock_pads_states():
+    """Qwen3-Next: stock HMA pads every GDN state to a 144-token attention page and keeps two
+    per layer ('align'); the arena's exact state pages hold more short requests and no fewer
+    long ones."""
+    model = load_model("qwen3-next-80b")
+    for cluster in CLUSTERS:
+        short = plan(model, make_cluster(cluster), 1280)
+        assert short.row("arena").requests > 1.2 * short.row("hma_stock").requests
+        long = plan(model, make_cluster(cluster), L128K)
+        assert long.row("arena").requests >= long.row("hma_stock").requests > 0
 
 
 def test_bad_inputs_name_the_fix(capsys):
@@ -194,15 +241,48 @@ usage = llm.collective_rpc("ulacache_usage")[0]
 emit({"num_logical": usage["num_logical"], "block_size": usage["block_size"]})
 """
 
+ARENA_SCRIPT = r"""
+from vllm import LLM
+llm = LLM(model=ARGS["model"], dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+          max_num_batched_tokens=1024, seed=0, kv_backend="ulacache",
+          kv_cache_memory_bytes=ARGS["kv_bytes"], mamba_ssm_cache_dtype="float32")
+usage = llm.collective_rpc("ulacache_usage")[0]
+emit({k: usage[k] for k in ("max_requests", "kinds", "alignment")})
+"""
+
 
 @pytest.mark.engine
-def test_planner_matches_the_engines_startup_figure(tiny_model):
-    """The tiny DeepSeek-V3.2 model booted with a given KV budget and host pool holds exactly
-    the logical tokens the planner computes from its config.json for the same budget."""
+@pytest.mark.parametrize("family", ["deepseek_v32", "qwen3_next"])
+def test_planner_matches_the_engines_startup_figure(tiny_model, family):
+    """A tiny model booted with a given KV budget holds exactly what the planner computes from
+    its config.json for the same budget: DeepSeek-V3.2 (with a host pool) the logical tokens
+    of engine.sizing's layout; Qwen3-Next (GDN + full attention, the arena) the max concurrent
+    requests of max_model_len the engine logs at startup, with the same page kinds, sizes and
+    alignment."""
     from _vllm_subprocess import mla_path_kwargs, run_vllm_script
 
-    model = tiny_model("deepseek_v32")
-    kv_bytes, host_gib = 20_000_000, 0.01
+    model = tiny_model(family)
+    kv_bytes = 20_000_000
+    if family == "qwen3_next":
+        got = run_vllm_script(ARENA_SCRIPT, timeout=900,
+                              args={"model": str(model), "kv_bytes": kv_bytes})
+        # The SSM state in float32 on both sides: vLLM's CPU build forces it on AVX512-BF16
+        # hosts and keeps the model dtype elsewhere; given, it is the same on every host.
+        shape = load_model(model)
+        shape.mamba_ssm_cache_dtype = "float32"
+        p = plan(shape, make_cluster(gpus=1, tp=1, host_gib_per_gpu=0,
+                                     kv_bytes_per_gpu=kv_bytes, max_num_batched_tokens=1024),
+                 1024, kv_dtype="bfloat16")
+        row = p.row("arena")
+        assert row.error is None
+        lay = row.layout
+        assert {g.kind: {"layers": len(g.layer_names), "page_bytes": g.page_bytes,
+                         "block_size": g.block_size, "band": g.band}
+                for g in lay.groups} == got["kinds"]
+        assert lay.alignment == got["alignment"]
+        assert row.requests == got["max_requests"] > 0
+        return
+    host_gib = 0.01
     path = mla_path_kwargs("reference")  # block 16, no chunked prefill, 2048-token steps
     got = run_vllm_script(ENGINE_SCRIPT, timeout=900, args={
         "model": str(model), "kv_bytes": kv_bytes, "host_gib": host_gib, "path": path})

@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
                    help="all weights (routed experts too unless --expert-weights-dtype)")
     m.add_argument("--expert-weights-dtype", choices=sorted(WEIGHT_BYTES))
     m.add_argument("--kv-dtype", help="auto (model dtype), bf16, fp32, fp8 (DSA: fp8_ds_mla)")
+    m.add_argument("--mamba-ssm-cache-dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="GDN hybrids: the SSM state's dtype, as vLLM's flag (default auto: the "
+                        "model dtype; vLLM's CPU build forces float32 on AVX512-BF16 hosts)")
     m.add_argument("--experts-over", choices=("gpus", "tp"), default="gpus",
                    help="routed experts split over all GPUs (expert parallelism, default) or "
                         "over the TP ranks only")
@@ -82,6 +85,8 @@ def plans_from_args(args: argparse.Namespace):
         model.weights_dtype = model.expert_weights_dtype = args.weights_dtype
     if args.expert_weights_dtype:
         model.expert_weights_dtype = args.expert_weights_dtype
+    if args.mamba_ssm_cache_dtype:
+        model.mamba_ssm_cache_dtype = args.mamba_ssm_cache_dtype
     given = dict(gpus=args.gpus, gpus_per_node=args.gpus_per_node, gpu_gib=args.gpu_gib,
                  host_gib_per_gpu=args.host_gib_per_gpu, tp=args.tp, dp=args.dp,
                  gpu_util=args.gpu_util, activation_reserve_gib=args.activation_reserve_gib,

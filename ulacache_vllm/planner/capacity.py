@@ -1,12 +1,13 @@
 """Concurrent requests of one length that fit a cluster, per KV scheme.
 
 Invariants: every figure comes from the code that sizes the real thing. ulacache rows call
-`engine.sizing.plan_layout` (the engine's own sizing, looked up on the module at call time);
-stock and HiSparse rows call vLLM's own `get_kv_cache_groups` /
-`get_kv_cache_config_from_groups` / `get_max_concurrency_for_kv_cache_config` and HiSparse
-layout functions on a namespace standing in for `VllmConfig`. Only the hybrids' "natural page"
-row, which no engine implements, is the planner's own arithmetic. A vLLM block pool's null
-block is never counted as capacity.
+the engine's own sizing, looked up on its module at call time: `engine.sizing.plan_layout`
+for DSA models, `engine.arena_sizing.plan_arena` (the hybrids' arena) for hybrids; stock and
+HiSparse rows call vLLM's own `get_kv_cache_groups` / `get_kv_cache_config_from_groups` /
+`get_max_concurrency_for_kv_cache_config` and HiSparse layout functions. All of them run on
+a namespace standing in for `VllmConfig`; the planner's own code builds only the inputs (the
+per-rank layer specs each engine would build, the budget). A vLLM block pool's null block and
+the arena's null page are never counted as capacity.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 from .model import (
     ModelShape,
     PlannerError,
+    arena_specs,
     attention_token_bytes,
     dsa_specs,
     gdn_state,
@@ -30,7 +32,6 @@ from .presets import CLUSTER_PRESETS, WEIGHT_BYTES
 
 GIB = 1 << 30
 DSA_BLOCK_SIZE = 64  # FlashMLA sparse (DeepSeek-V3.2 / GLM DSA on GPU) reads 64-token pages
-NATURAL_ATTENTION_BLOCK = 32
 
 
 @dataclass
@@ -371,26 +372,31 @@ def _largest_starting_pool(plan: Plan, tp_mode: str, layout, mla_specs: dict):
     return best, lo / 1024, None
 
 
-def natural_row(plan: Plan) -> Row:
-    """Hybrids with natural page sizes: a state page of exactly the state's bytes per
-    Gated-DeltaNet layer, a sliding-window layer's window as one state of exactly `window`
-    tokens, full-attention pages of 32-token blocks; every page size in its own exactly-fitted
-    pool (no padding, no shared block size)."""
-    m, cl, L = plan.model, plan.cluster, plan.request_tokens
-    tok = attention_token_bytes(m, plan.kv_dtype, cl.tp)
-    full_tokens = -(-L // NATURAL_ATTENTION_BLOCK) * NATURAL_ATTENTION_BLOCK
-    per_req = 0
-    for t in m.config["layer_types"]:
-        if t == "full_attention":
-            per_req += full_tokens * tok
-        elif t == "sliding_attention":
-            per_req += min(m.config["sliding_window"], L) * tok
-        else:
-            per_req += state_bytes(*gdn_state(m, cl.tp))
-    n = plan.kv_budget // per_req
-    return Row("natural", "natural page sizes (model)", tokens=n * L, requests=n,
-               cluster_requests=n * cl.dp, device_bytes=plan.kv_budget,
-               note=f"{per_req / 2**20:.1f} MiB per request per rank")
+def arena_row(plan: Plan) -> Row:
+    """The ulacache arena (hybrid models): `engine.arena_sizing.plan_arena`, the call the
+    engine makes at startup, on the specs the engine builds under `--kv-backend ulacache`
+    (`model.arena_specs`) and this budget; requests = the layout's `max_requests` (requests of
+    max_model_len = the request length), the figure the engine logs at startup."""
+    from ulacache_vllm.engine import arena_sizing
+    from ulacache_vllm.engine.config import KVBackendError, UlaSettings
+
+    cl, L = plan.cluster, plan.request_tokens
+    key, label = "arena", "ulacache arena (natural page sizes)"
+    cfg = vllm_config(plan.model, cl, L)
+    specs = arena_specs(plan.model, plan.kv_dtype, cl.tp, L)
+    try:
+        lay, _ = arena_sizing.plan_arena(cfg, specs, plan.kv_budget, UlaSettings())
+    except KVBackendError as e:
+        return Row(key, label, error=f"does not start: {e}")
+    n = lay.max_requests
+    pages = ", ".join(f"{g.kind} {len(g.layer_names)} x {g.layer_page_bytes} B"
+                      for g in lay.groups)
+    exact = sum(g.page_bytes * g.pages_per_max_request for g in lay.groups)
+    return Row(key, label, tokens=n * L, requests=n, cluster_requests=n * cl.dp,
+               device_bytes=plan.kv_budget, layout=lay,
+               note=(f"{lay.request_bytes() / 2**20:.1f} MiB per request per rank; pages "
+                     f"{pages}; {lay.alignment} B alignment "
+                     f"(+{lay.request_bytes() / exact - 1:.1%} on the exact pages)"))
 
 
 # ---------------------------------------------------------------- the plan
@@ -426,11 +432,14 @@ def plan(model: ModelShape, cluster: Cluster, request_tokens: int, *,
         mode = "align" if model.kind == "gdn" else "none"
         p.rows.append(stock_row(p, specs, "hma_stock", "stock vLLM, HMA page geometry",
                                 mamba_cache_mode=mode))
-        p.rows.append(natural_row(p))
-        why = "not a DSA model: HiSparse and ulacache serve sparse-MLA (DSA) models only"
+        p.rows.append(arena_row(p))
+        why = "not a DSA model: HiSparse serves sparse-MLA (DSA) models only"
         for key, label in (("hisparse_per_rank", "HiSparse, host copy per rank"),
-                           ("hisparse_shared", "vLLM 0.32 HiSparse, one host pool per node"),
-                           ("ulacache_dp", "ulacache DP (TP ranks replicate)"),
+                           ("hisparse_shared", "vLLM 0.32 HiSparse, one host pool per node")):
+            p.rows.append(Row(key, label, error=why))
+        why = ("not a DSA model: the host tier and TP sharding serve sparse-MLA (DSA) models; "
+               "ulacache serves hybrids through the arena row above")
+        for key, label in (("ulacache_dp", "ulacache DP (TP ranks replicate)"),
                            ("ulacache_shard", "ulacache TP shard")):
             p.rows.append(Row(key, label, error=why))
     p.assumptions = assumptions(p, experts_over)
@@ -502,28 +511,49 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
         out.append(f"attention KV per token per layer per rank: {tok} B ({p.kv_dtype}; "
                    f"{heads} KV heads over TP {cl.tp}: {max(1, heads // cl.tp)} per rank"
                    + (f", replicated {cl.tp // heads}x" if cl.tp > heads else "") + ")")
+        from ulacache_vllm.engine import arena_sizing
+        from ulacache_vllm.engine.wiring import ARENA_BLOCK_SIZE
+
+        arena = (f"ulacache arena: engine.arena_sizing.plan_arena (the engine's startup "
+                 f"sizing) on the specs the engine builds under --kv-backend ulacache: "
+                 f"layers grouped by spec, one page per group holding all its layers, pages "
+                 f"rounded up to the arena's alignment (a power of two dividing the page "
+                 f"sizes, doubled until the arena has at most {arena_sizing.MAX_GRANULES} "
+                 f"granules), a null page reserved; attention in "
+                 f"{ARENA_BLOCK_SIZE}-token pages; {{}}; prefix caching off (ulacache turns it "
+                 f"off). The engine runs the arena on vLLM's CPU build with one worker (TP 1) "
+                 f"today: at TP > 1 or on GPUs this is its sizing per rank, not a "
+                 f"configuration it starts")
         if m.kind == "gdn":
-            st = state_bytes(*gdn_state(m, cl.tp))
+            shapes, dtypes = gdn_state(m, cl.tp)
+            st = state_bytes(shapes, dtypes)
+            out.append(f"GDN state per layer per rank: {st} B (conv {shapes[0]} "
+                       f"{str(dtypes[0]).removeprefix('torch.')}, SSM {shapes[1]} "
+                       f"{str(dtypes[1]).removeprefix('torch.')}: --mamba-ssm-cache-dtype "
+                       f"{m.mamba_ssm_cache_dtype}, vLLM's default 'auto' is the model dtype; "
+                       f"its CPU build forces float32 on AVX512-BF16 hosts)")
             out.append(
                 f"stock HMA: attention block {p.block_size} tokens so that its page "
                 f"({p.block_size * tok} B) holds one GDN state ({st} B, padded up to the "
                 f"page); mamba_cache_mode 'align' (prefix caching on, vLLM's default for "
                 f"hybrids): 2 state pages per GDN layer group per request; vLLM's own "
                 f"grouping and concurrency functions")
-            out.append(f"natural pages: one {st} B state per GDN layer per request, "
-                       f"attention in {NATURAL_ATTENTION_BLOCK}-token pages, each page size "
-                       f"in its own exactly-fitted pool; no prefix-cache state checkpoints")
+            out.append(arena.format(f"one {st} B state page per GDN layer per request "
+                                    f"(exactly the state's bytes, no padding, no "
+                                    f"prefix-cache checkpoints)"))
         else:
             out.append(
                 f"stock HMA: {p.block_size}-token blocks (FlashAttention); a sliding layer "
                 f"reserves window - 1 + max_num_batched_tokens ({cl.max_num_batched_tokens}) "
                 f"tokens per request (vLLM's admission bound for tokens in flight); vLLM's "
                 f"own grouping and concurrency functions")
-            out.append(f"natural pages: a sliding layer holds exactly its "
-                       f"{m.config['sliding_window']}-token window (steady decode; prefill "
-                       f"chunks in flight not reserved), full attention in "
-                       f"{NATURAL_ATTENTION_BLOCK}-token pages, exactly-fitted pools")
-        out.append("HiSparse and ulacache rows do not apply (they serve DSA sparse-MLA models)")
+            out.append(arena.format(
+                f"a sliding layer ({m.config['sliding_window']}-token window) reserves "
+                f"vLLM's admission cap, SlidingWindowSpec.max_admission_blocks_per_request "
+                f"(window - 1 + {cl.max_num_batched_tokens} tokens in flight, + 1 page), "
+                f"in its own {ARENA_BLOCK_SIZE}-token pages"))
+        out.append("HiSparse and the ulacache DP / TP shard rows do not apply (they serve DSA "
+                   "sparse-MLA models)")
     out.append("not modelled: prefix-cache reuse, speculative decoding, fragmentation from "
                "mixed request lengths, PCIe / NVLink bandwidth (capacity only)")
     return out

@@ -27,6 +27,7 @@ class ModelShape:
     expert_weights_dtype: str = "bf16"
     kv_dtype: str = "auto"
     notes: list[str] = field(default_factory=list)
+    mamba_ssm_cache_dtype: str = "auto"  # vLLM's --mamba-ssm-cache-dtype (GDN's SSM state)
 
     @property
     def max_len(self) -> int | None:
@@ -257,7 +258,8 @@ def kv_heads_per_rank(shape: ModelShape, tp: int) -> int:
 
 def gdn_state(shape: ModelShape, tp: int, spec_tokens: int = 0):
     """(shapes, dtypes) of one Gated-DeltaNet layer's state on one rank, from vLLM's own
-    calculators (dtype: the model dtype, vLLM's 'auto' mamba cache dtypes)."""
+    calculators (conv state: the model dtype, vLLM's 'auto' mamba cache dtype; SSM state: the
+    shape's `mamba_ssm_cache_dtype`, 'auto' = the model dtype)."""
     from vllm.model_executor.layers.mamba.mamba_utils import (
         MambaStateDtypeCalculator,
         MambaStateShapeCalculator,
@@ -272,7 +274,7 @@ def gdn_state(shape: ModelShape, tp: int, spec_tokens: int = 0):
         tp, c["linear_num_key_heads"], c["linear_num_value_heads"], c["linear_key_head_dim"],
         c["linear_value_head_dim"], c["linear_conv_kernel_dim"], spec_tokens)
     dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
-        _torch_dtype(_short(shape.model_dtype)), "auto", "auto")
+        _torch_dtype(_short(shape.model_dtype)), "auto", shape.mamba_ssm_cache_dtype)
     return shapes, dtypes
 
 
@@ -330,3 +332,39 @@ def hybrid_specs(shape: ModelShape, kv_dtype: str, tp: int, block_size: int = 16
             specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
                 block_size=block_size, **attn_kw)
     return specs, block_size
+
+
+def arena_specs(shape: ModelShape, kv_dtype: str, tp: int, max_model_len: int) -> dict:
+    """One rank's specs as vLLM builds them under `--kv-backend ulacache` (the arena): no
+    hybrid block alignment (`patches/hybrid_block_size.py` skips it), attention and sliding
+    layers in `engine.wiring.ARENA_BLOCK_SIZE`-token pages, a GDN state page of exactly the
+    state's bytes (no `page_size_padded`), mamba_cache_mode 'none' (ulacache turns prefix
+    caching off) with vLLM's mamba block of max_model_len."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from ulacache_vllm.engine.wiring import ARENA_BLOCK_SIZE
+
+    c = shape.config
+    head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    attn_kw = dict(block_size=ARENA_BLOCK_SIZE, num_kv_heads=kv_heads_per_rank(shape, tp),
+                   head_size=head, dtype=_torch_dtype(kv_dtype))
+    state = gdn_state(shape, tp) if shape.kind == "gdn" else None
+    specs = {}
+    for i, t in enumerate(c["layer_types"]):
+        if t == "full_attention":
+            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(**attn_kw)
+        elif t == "sliding_attention":
+            specs[f"model.layers.{i}.self_attn.attn"] = SlidingWindowSpec(
+                sliding_window=c["sliding_window"], **attn_kw)
+        elif state is not None:
+            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
+                shapes=state[0], dtypes=state[1], block_size=max_model_len,
+                mamba_cache_mode="none")
+        else:
+            raise PlannerError(f"layer {i} of type {t!r}: the planner models full, sliding "
+                               f"and linear (GDN) attention layers only")
+    return specs

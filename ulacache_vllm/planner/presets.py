@@ -78,7 +78,7 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
     "qwen3-next-80b": ModelPreset(
         _qwen3_next_80b(), "bf16", "bf16", "auto",
         "Qwen3-Next-80B-A3B: 36 Gated-DeltaNet + 12 full-attention layers (GQA, 2 KV "
-        "heads of 256), BF16 weights; GDN state dtype = model dtype (vLLM's 'auto')"),
+        "heads of 256), BF16 weights"),
     "gpt-oss-120b": ModelPreset(
         _gpt_oss_120b(), "bf16", "mxfp4", "auto",
         "gpt-oss-120b: 18 sliding-window (128) + 18 full-attention layers (8 KV heads of "
