@@ -73,7 +73,8 @@ class Ledger:
     def busy_mask(self, offsets: np.ndarray) -> np.ndarray:
         if not self._count:
             return np.zeros(len(offsets), dtype=bool)
-        return np.fromiter((int(p) in self._count for p in offsets), bool, len(offsets))
+        return np.isin(np.asarray(offsets, dtype=np.int64),
+                       np.fromiter(self._count, np.int64, len(self._count)))
 
     def withhold(self, offset: int, nbytes: int, band) -> bool:
         """Called when a page is freed; True if its bytes must wait for fences."""
