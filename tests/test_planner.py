@@ -33,6 +33,19 @@ def dsa_plans():
     return out
 
 
+def _spy(monkeypatch, module, name: str) -> list:
+    """Replaces ``module.name`` by a wrapper; returns the list of what each call returned."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*a, **kw):
+        calls.append(real(*a, **kw))
+        return calls[-1]
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
 def test_presets_print_a_table(name, capsys):
     import os
@@ -80,14 +93,7 @@ def test_ulacache_rows_are_the_engines_plan_layout(dsa_plans, cluster, mode, mon
     assert row.requests == lay.num_logical // L128K
     assert lay.shards == (8 if mode == "shard" else 1)
 
-    calls = []
-    real = sizing.plan_layout
-
-    def spy(*a, **kw):
-        calls.append(real(*a, **kw))
-        return calls[-1]
-
-    monkeypatch.setattr(sizing, "plan_layout", spy)
+    calls = _spy(monkeypatch, sizing, "plan_layout")
     again = plan(p.model, p.cluster, L128K)
     assert calls, "the planner must size ulacache through engine.sizing.plan_layout"
     assert again.row(row.key).layout in calls
@@ -154,14 +160,7 @@ def test_arena_rows_are_the_engines_plan_arena(name, monkeypatch):
     returns for the engine's arena specs and the KV budget; its requests are the layout's
     max_requests (the engine's startup figure), less the null page."""
     model = load_model(name)
-    calls = []
-    real = arena_sizing.plan_arena
-
-    def spy(*a, **kw):
-        calls.append(real(*a, **kw))
-        return calls[-1]
-
-    monkeypatch.setattr(arena_sizing, "plan_arena", spy)
+    calls = _spy(monkeypatch, arena_sizing, "plan_arena")
     for tokens in (1280, L128K):
         p = plan(model, make_cluster("8xH200"), tokens)
         row = p.row("arena")
