@@ -19,7 +19,10 @@ import math
 from .config import KVBackendError, UlaSettings, reported_to_front_end
 
 MIN_ALIGNMENT = 256
-MAX_GRANULES = 1 << 22  # granule count (views' dim 0); the alignment grows beyond this
+# Granules are vLLM block ids (int32 in its block tables) and the views' dim 0 (strided views
+# over the one buffer: no memory per granule). Beyond this many the alignment doubles (and
+# pages are rounded up to it): only arenas of hundreds of GiB with KiB-sized layer pages.
+MAX_GRANULES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True)
