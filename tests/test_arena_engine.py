@@ -53,6 +53,11 @@ res["usage_main"] = usage()
 abort_tokens = 48
 """ + ABORT_TWO_OF_FOUR + r"""res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
 llm.generate(prompts[:1], greedy(1))  # one more request: its step ships fresh figures
+import os
+if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+    # An in-process core steps only when asked: the empty step that freed pages keep pending
+    # (a separate core process takes it by itself).
+    llm.llm_engine.step()
 res["usage_end"] = usage()
 metrics = {}
 for m in llm.get_metrics():
@@ -63,10 +68,17 @@ emit(res)
 """
 
 
-def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int):
+def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=None):
     kw = {"kv_backend": backend, **kw}
     return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend,
-                                         "dtype": dtype, "base": base, "out": out}, timeout=900)
+                                         "dtype": dtype, "base": base, "out": out}, timeout=900,
+                           env=env)
+
+
+# The engine core in the script's process: `eng.step()` is one engine step, so the abort lands
+# at the same step in both runs (a separate core process may run ahead of the client, and in
+# bf16 another batch at another step is another result).
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _check_clean(u: dict) -> None:
@@ -94,8 +106,10 @@ def qwen3_next(tiny_model):
     # The arena: room for the 4 requests at once (no preemption either side: same schedule),
     # with a compaction or relayout forced every 2 steps.
     ula = _run(model, "ulacache", "bfloat16",
-               dict(same, kv_cache_memory_bytes=24 << 20, ula_arena_force_moves=2), 15, 40)
-    ref = _run(model, "vllm", "bfloat16", dict(same, kv_cache_memory_bytes=256 << 20), 15, 40)
+               dict(same, kv_cache_memory_bytes=24 << 20, ula_arena_force_moves=2), 15, 40,
+               IN_PROCESS)
+    ref = _run(model, "vllm", "bfloat16", dict(same, kv_cache_memory_bytes=256 << 20), 15, 40,
+               IN_PROCESS)
     return ref, ula
 
 
