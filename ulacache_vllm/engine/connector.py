@@ -3,7 +3,9 @@
 A vLLM KV connector (the mechanism vLLM's HiSparse uses) carrying, each step, the logical blocks
 the scheduler freed since the last step; the worker side owns the `UlaWorkerStore` (pools and
 mapping tables), applies those frees and advances the LRU round before the forward pass
-(`has_sync_kv_loads`), and reports counters back as connector stats. It loads nothing from
+(`has_sync_kv_loads`), and reports counters back as connector stats. For hybrid models it
+carries the arena's step plan instead, which the worker's `ArenaWorker` applies in
+`handle_preemptions` (before vLLM commits the step's block tables). It loads nothing from
 outside: every request's KV is computed locally.
 """
 from __future__ import annotations
