@@ -187,6 +187,17 @@ while eng.has_unfinished_requests():
         eng.abort_request(["a0", "a2"])
 """
 
+# Script fragment ending a script (``llm``, ``res`` in scope): the ulacache and preemption
+# metrics into ``res["metrics"]``, then ``emit(res)``.
+EMIT_WITH_METRICS = """
+metrics = {}
+for m in llm.get_metrics():
+    if m.name.startswith("vllm:ulacache_") or m.name == "vllm:num_preemptions":
+        metrics[m.name] = getattr(m, "value", None)
+res["metrics"] = metrics
+emit(res)
+"""
+
 _GENERATE = """
 from vllm import LLM, SamplingParams
 llm = LLM(model=ARGS["model"], **ARGS["llm_kwargs"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import ABORT_TWO_OF_FOUR, run_vllm_script
+from _vllm_subprocess import ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, run_vllm_script
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -59,13 +59,7 @@ if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
     # (a separate core process takes it by itself).
     llm.llm_engine.step()
 res["usage_end"] = usage()
-metrics = {}
-for m in llm.get_metrics():
-    if m.name.startswith("vllm:ulacache_") or m.name == "vllm:num_preemptions":
-        metrics[m.name] = getattr(m, "value", None)
-res["metrics"] = metrics
-emit(res)
-"""
+""" + EMIT_WITH_METRICS
 
 
 def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=None):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import ABORT_TWO_OF_FOUR, host_mla_path, mla_path_kwargs, run_vllm_script
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, host_mla_path,
+                              mla_path_kwargs, run_vllm_script)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -44,13 +45,7 @@ res["usage_after_abort"] = usage()
 # Long outputs for all prompts at once: decode growth exceeds the logical capacity.
 res["long"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(200))]
 res["usage_end"] = usage()
-metrics = {}
-for m in llm.get_metrics():
-    if m.name.startswith("vllm:ulacache_") or m.name == "vllm:num_preemptions":
-        metrics[m.name] = getattr(m, "value", None)
-res["metrics"] = metrics
-emit(res)
-"""
+""" + EMIT_WITH_METRICS
 
 
 def _run(model, backend, path, trace_path=None, env=None, lru=None):
