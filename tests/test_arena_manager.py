@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 from vllm.sampling_params import SamplingParams
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                                        KVCacheTensor, SlidingWindowSpec)
+                                        SlidingWindowSpec)
 from vllm.v1.request import Request, RequestStatus
 
 from ulacache_vllm.engine.arena_manager import ArenaKVCacheManager

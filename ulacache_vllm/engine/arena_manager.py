@@ -24,7 +24,6 @@ import copy
 from dataclasses import dataclass, field
 
 import numpy as np
-from vllm.utils.math_utils import cdiv
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -195,7 +194,6 @@ class ArenaKVCacheManager(KVCacheManager):
         self.step_seq = 0  # steps scheduled
         self.processed_seq = 0  # steps whose output the scheduler processed
         self.fences = {"opened": 0, "passed": 0}
-        self._fence = None
 
     # -------------------------------------------------------------- allocation
     def _group_counts(self, request, num_tokens_need_slot: int, total_computed: int,
