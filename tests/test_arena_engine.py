@@ -21,6 +21,8 @@ import pytest
 
 from _vllm_subprocess import ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, run_vllm_script
 
+from ulacache_vllm.engine.move_faults import ENV as FAULTS_ENV
+
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
 SCRIPT = r"""
@@ -49,9 +51,29 @@ res["main"] = [o.outputs[0].token_ids for o in llm.generate(prompts, sps)]
 res["prompt_lens"] = [len(o.prompt_token_ids) for o in llm.generate(prompts[:2], greedy(1))]
 res["usage_main"] = usage()
 
+import json, os, time
+faults = os.environ.get("ULACACHE_TEST_MOVE_FAULTS")  # the workers' move-fault control file
+
+def arm(**spec):
+    with open(faults, "w") as f:
+        f.write(json.dumps({**spec, "nonce": time.time()}) if spec else "")
+
+if faults:  # the abort phase's page copies stall (must change no token)
+    arm(fault="stall", moves=["arena"], count=3, seconds=0.2)
 # Abort two requests mid-decode; the survivors must still match the reference.
 abort_tokens = 48
 """ + ABORT_TWO_OF_FOUR + r"""res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
+if faults and ARGS.get("raise_phase"):
+    # Two page-copy steps fail: their requests end with an error; the others run on.
+    res["usage_before_faults"] = usage()
+    arm(fault="raise", moves=["arena"], skip=1, count=2)
+    outs = llm.generate(prompts, greedy(48))
+    arm()
+    res["faulted"] = [[list(o.outputs[0].token_ids), o.outputs[0].finish_reason] for o in outs]
+    res["usage_faults"] = usage()
+    failed = [i for i, (_, why) in enumerate(res["faulted"]) if why == "error"]
+    again = llm.generate([prompts[i] for i in failed], greedy(48)) if failed else []
+    res["again"] = {i: list(o.outputs[0].token_ids) for i, o in zip(failed, again)}
 llm.generate(prompts[:1], greedy(1))  # one more request: its step ships fresh figures
 import os
 if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
@@ -62,11 +84,12 @@ res["usage_end"] = usage()
 """ + EMIT_WITH_METRICS
 
 
-def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=None):
+def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=None,
+         raise_phase=False):
     kw = {"kv_backend": backend, **kw}
     return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend,
-                                         "dtype": dtype, "base": base, "out": out}, timeout=900,
-                           env=env)
+                                         "dtype": dtype, "base": base, "out": out,
+                                         "raise_phase": raise_phase}, timeout=900, env=env)
 
 
 # The engine core in the script's process: `eng.step()` is one engine step, so the abort lands
@@ -121,17 +144,35 @@ SWA_MODELS = {
 SWA_ENV = {"gpt_oss": None, "gemma3": IN_PROCESS}
 
 
+@pytest.fixture(scope="module")
+def swa_runs(tiny_model, tmp_path_factory):
+    """(stock, ulacache, preemption expected) per model name, each run once."""
+    cache = {}
+
+    def get(name):
+        if name in cache:
+            return cache[name]
+        overrides, budget, preempts = SWA_MODELS[name]
+        model = tiny_model(name, **overrides)
+        env = SWA_ENV[name]
+        # The move-fault control file (`engine/move_faults.py`): the script stalls copies
+        # during its abort phase; GPT-OSS (the engine core in its own process, as served)
+        # also fails two copy steps in a batch of its own.
+        faults = tmp_path_factory.mktemp("faults") / "move_faults.json"
+        ula = _run(model, "ulacache", "float32",
+                   dict(max_num_seqs=8, kv_cache_memory_bytes=budget, ula_arena_force_moves=3),
+                   40, 100, {**(env or {}), FAULTS_ENV: str(faults)},
+                   raise_phase=name == "gpt_oss")
+        ref = _run(model, "vllm", "float32",
+                   dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20), 40, 100, env)
+        cache[name] = (ref, ula, preempts)
+        return cache[name]
+    return get
+
+
 @pytest.fixture(scope="module", params=sorted(SWA_MODELS))
-def swa_model(request, tiny_model):
-    overrides, budget, preempts = SWA_MODELS[request.param]
-    model = tiny_model(request.param, **overrides)
-    env = SWA_ENV[request.param]
-    ula = _run(model, "ulacache", "float32",
-               dict(max_num_seqs=8, kv_cache_memory_bytes=budget, ula_arena_force_moves=3),
-               40, 100, env)
-    ref = _run(model, "vllm", "float32", dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20),
-               40, 100, env)
-    return ref, ula, preempts
+def swa_model(request, swa_runs):
+    return swa_runs(request.param)
 
 
 def test_qwen3_next_same_schedule_parity_with_forced_moves(qwen3_next):
@@ -166,4 +207,28 @@ def test_sliding_window_pressure_preemption_and_abort_parity(swa_model):
     assert m["vllm:ulacache_arena_compactions"] + m["vllm:ulacache_arena_relayouts"] > 0, m
     assert m["vllm:ulacache_arena_bytes_copied"] > 0, m
     assert set(ula["usage_main"]["kinds"]) == {"sliding", "full"}, ula["usage_main"]
+    # The abort phase's copies stalled (and changed no token: the survivors above).
+    w = ula["usage_end"]["worker"]
+    assert w["stalled_copy_steps"] >= 1, w
     _check_clean(ula["usage_end"])
+
+
+def test_a_failed_page_copy_ends_its_requests_with_an_error_and_no_other(swa_runs):
+    """GPT-OSS, the engine core in its own process: two of the worker's page-copy steps
+    raise during a batch of 8 under pressure. The requests holding pages those copies lost
+    end with finish_reason "error", their tokens until then a prefix of the reference (never
+    a wrong token); every other request gets exactly its reference tokens; sent again, the
+    failed prompts get theirs; the arena ends clean (above: only its null page)."""
+    ref, ula, _ = swa_runs("gpt_oss")
+    want = [t[:48] for t in ref["main"]]
+    failed = [i for i, (_, why) in enumerate(ula["faulted"]) if why == "error"]
+    assert failed, ula["faulted"]
+    for i, (tokens, why) in enumerate(ula["faulted"]):
+        if i in failed:
+            assert tokens == want[i][:len(tokens)], i
+        else:
+            assert why == "length" and tokens == want[i], i
+    assert ula["again"] == {str(i): want[i] for i in failed}  # (JSON keys)
+    before, after = ula["usage_before_faults"]["worker"], ula["usage_faults"]["worker"]
+    assert after["failed_copy_steps"] - before["failed_copy_steps"] == 2, (before, after)
+    assert after["lost_pages"] > before["lost_pages"], (before, after)

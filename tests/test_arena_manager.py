@@ -1,11 +1,12 @@
 """The arena's scheduler side over vLLM's real per-type managers (no engine): the byte gate,
 sliding-window pages going back to the arena, frees down to the null page, one fence per
 step, and the worker's plan executor and block-table translation keeping every page's bytes
-through compactions and relayouts."""
+through compactions and relayouts, and through copies that fail or stall."""
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,11 @@ class Engine:
                 req.status = RequestStatus.RUNNING
         plan = self.mgr.take_step_plan()
         self.worker.apply(plan)
+        # Pages a failed copy lost (what the connector reports): not checked, refilled below;
+        # their requests are the caller's to end.
+        self.lost = self.worker.take_lost()
+        for vid in self.lost:
+            self.content.pop(vid, None)
         for vid in self.mgr.arena.p2v(plan.zero[:, 0]).tolist():
             self.content.pop(vid, None)  # a new page (a recycled vid): zeroed, refilled below
             assert bool((self._page(vid) == 0).all())
@@ -166,6 +172,128 @@ def test_moves_keep_every_page_and_one_fence_per_step():
     # One fence per step, each passed once the step was processed.
     assert s["arena_fences_opened"] == mgr.step_seq
     assert not [f for f in mgr.arena.ledger.open_fences() if f.label != "null page"]
+
+
+def _check_tiling(arena) -> None:
+    """Live pages, free extents and withheld bytes tile the arena exactly."""
+    _, offs, sizes = arena.live_pages()
+    spans = sorted([(int(o), int(o + n)) for o, n in zip(offs, sizes)] + list(arena.free_extents())
+                   + [(o, o + n) for o, (n, _) in arena.ledger.pending().items()])
+    pos = 0
+    for a, b in spans:
+        assert a == pos, (pos, a)
+        pos = b
+    assert pos == arena.total_bytes
+
+
+def _run_with_faults(faults, seed: int, steps: int = 36):
+    """Five requests decoding with a compaction or relayout every 2 steps and holes punched
+    in both bands, the worker's copies under ``faults``. Every page not reported lost keeps
+    its bytes (checked each step by the engine harness); the requests holding lost pages are
+    ended as the scheduler does. Returns (manager, engine, [(step, lost vids, moved vids,
+    ended request ids)])."""
+    from ulacache_vllm.engine.move_faults import MoveFaults
+
+    rng = np.random.default_rng(seed)
+    mgr = _manager(total_pages=48, force_moves=2)
+    eng = Engine(mgr)
+    eng.worker.faults = MoveFaults(**faults) if faults else None
+    reqs = [_request(f"r{i}", int(rng.integers(2, 7)) * BS) for i in range(5)]
+    eng.step({r: r.num_tokens for r in reqs})
+    live = list(reqs)
+    events = []
+    for step in range(steps):
+        if live and rng.random() < 0.12:
+            eng.free(live.pop(int(rng.integers(len(live)))))
+        for r in live:
+            r.append_output_token_ids(5)
+        _, plan = eng.step({r: 1 for r in live})
+        if eng.lost:
+            new = set(mgr.arena.p2v(plan.zero[:, 0]).tolist())
+            moved = set(plan.vids.tolist()) - new
+            ended = mgr.requests_holding(eng.lost, live)
+            for r in [r for r in live if r.request_id in ended]:
+                eng.free(r)
+                live.remove(r)
+            events.append((step, set(eng.lost), moved, ended))
+        _check_tiling(mgr.arena)
+    return mgr, eng, events
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_failed_copy_loses_only_moved_pages_and_ends_their_requests(seed):
+    """A copy step of the worker raises (after ``skip`` good ones): the pages whose final
+    bytes it spoiled are reported lost, all of them pages this step moved (never one that
+    stayed put or a new one), at least one request holds them and is ended; every other page
+    keeps its bytes through this and later moves, and the arena's bytes still tile exactly.
+    Freed down to the null page afterwards."""
+    skip = seed % 3
+    mgr, eng, events = _run_with_faults(dict(fault="raise", moves=("arena",), skip=skip,
+                                             count=1), seed)
+    assert eng.worker.counters["failed_copy_steps"] == 1
+    assert eng.worker.faults.fired == 1
+    assert len(events) == 1, events
+    _, lost, moved, ended = events[0]
+    assert lost and lost <= moved, (lost, moved)
+    assert ended
+    assert eng.worker.counters["lost_pages"] == len(lost)
+    for r in [r for r in mgr.coordinator.single_type_managers[1].req_to_blocks]:
+        mgr.free(_ReqId(r))
+    assert mgr.arena.used_bytes == mgr.arena.page_bytes[0]
+
+
+class _ReqId:
+    def __init__(self, rid):
+        self.request_id = rid
+
+
+def test_stalled_copies_change_no_byte():
+    """Copies that stall (sleep first) move every page intact: nothing lost."""
+    mgr, eng, events = _run_with_faults(dict(fault="stall", moves=("arena",), count=3,
+                                             seconds=0.01), seed=1)
+    assert eng.worker.counters["stalled_copy_steps"] == 3
+    assert eng.worker.counters["failed_copy_steps"] == 0 and not events
+    assert eng.worker.counters["bytes_copied"] == mgr.stats()["arena_bytes_copied"] > 0
+
+
+def test_bad_bytes_follow_the_copy_chain():
+    """The failure path's book of spoiled byte ranges: a failed step spoils its
+    destinations; a later step that copies from them spoils its own; a good step that
+    overwrites them cleans them; partial overlaps are cut exactly."""
+    from ulacache_vllm.engine.arena_worker import BadBytes
+
+    b = BadBytes()
+    b.failed([(0, 100, 10)])  # [100, 110) spoiled
+    b.copied([(100, 200, 10), (300, 105, 10)])  # chain on; [105, 115) overwritten with good
+    assert sorted(b.spans) == [(100, 105), (200, 210)]
+    b.copied([(195, 400, 10)])  # half of the source is bad
+    assert sorted(b.spans) == [(100, 105), (200, 210), (405, 410)]
+    assert b.within(0, 103) == [(100, 103)] and not b.within(105, 200)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_page_copied_on_from_a_failed_destination_is_lost(failing):
+    """Hand-made plan, pages of 8 bytes: vid 1 goes 0 -> 16 -> 32 over two steps, vid 2
+    goes 8 -> 24 in the second. Step ``failing`` raises: vid 1 is lost either way (its chain
+    passes through it); vid 2 only if its own step failed; vid 3 (new, zeroed) never."""
+    from ulacache_vllm.engine.arena_worker import ArenaWorker
+    from ulacache_vllm.engine.move_faults import MoveFaults
+
+    lay = SimpleNamespace(buffer_bytes=64, alignment=8)
+    buf = torch.arange(64, dtype=torch.int8)
+    w = ArenaWorker(lay, {"l0": buf})
+    w.faults = MoveFaults("raise", moves=("arena",), skip=failing, count=1)
+    plan = SimpleNamespace(
+        copies=[np.array([[0, 16, 8]]), np.array([[16, 32, 8], [8, 24, 8]])],
+        vids=np.array([1, 2, 3]), granules=np.array([4, 3, 5]), sizes=np.array([8, 8, 8]),
+        zero=np.array([[40, 8]]), stats={})
+    w.apply(plan)
+    assert w.take_lost() == ({1} if failing == 0 else {1, 2})
+    if failing == 0:
+        assert buf[24:32].tolist() == list(range(8, 16))  # vid 2 moved intact
+    assert w.counters["failed_copy_steps"] == 1
+    assert w.v2g[1:4].tolist() == [4, 3, 5] and not buf[40:48].any()
+    w.close()
 
 
 def test_a_page_placed_in_a_step_in_flight_is_not_moved():

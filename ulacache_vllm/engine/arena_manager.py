@@ -38,11 +38,13 @@ NULL_KIND = "null"
 class ArenaStepPlan:
     """What the worker does before a step's forward, in this order: the copy steps (each a
     ``(k, 3)`` array of src, dst, nbytes; sources of a step read before any write), the v2g
-    updates, then zero the new pages (byte offset, nbytes)."""
+    updates (``vids`` placed at ``granules``, pages of ``sizes`` bytes), then zero the new
+    pages (byte offset, nbytes)."""
 
     copies: list = field(default_factory=list)
     vids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     granules: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     zero: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
     stats: dict = field(default_factory=dict)
     seq: int = 0  # the engine step (its fence passes when the scheduler processed it)
@@ -98,13 +100,14 @@ class _ArenaState:
         v2p, kind = self.arena.placement()
         offs = v2p[changed]
         self._sent = v2p.copy()
+        page_bytes = np.asarray(self.arena.page_bytes, np.int64)
         new = np.unique(np.asarray(self.new, np.int64))
         new = new[v2p[new] >= 0] if len(new) else new
         zero = np.zeros((0, 2), np.int64)
         if len(new):
-            sizes = np.asarray(self.arena.page_bytes, np.int64)[kind[new]]
-            zero = np.stack([v2p[new], sizes], axis=1)
-        plan = ArenaStepPlan(self.copies, changed, offs // self.layout.alignment, zero, stats)
+            zero = np.stack([v2p[new], page_bytes[kind[new]]], axis=1)
+        plan = ArenaStepPlan(self.copies, changed, offs // self.layout.alignment,
+                             page_bytes[kind[changed]], zero, stats)
         self.copies, self.new = [], []
         return plan
 
@@ -334,3 +337,10 @@ class ArenaKVCacheManager(KVCacheManager):
 
     def has_withheld_bytes(self) -> bool:
         return self.arena.pending_bytes > 0
+
+    def requests_holding(self, vids, requests) -> set[str]:
+        """The ids of ``requests`` holding any of ``vids`` in any group (vids are unique
+        across kinds: one arena numbers them all)."""
+        vids = set(vids)
+        return {r.request_id for r in requests
+                if any(vids.intersection(ids) for ids in self.get_block_ids(r.request_id))}

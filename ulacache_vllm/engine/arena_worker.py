@@ -6,11 +6,27 @@ Before a step's forward (the connector's ``handle_preemptions``, the first thing
 allocated pages. vLLM's block tables keep vids; ``translate`` writes granules into the device
 side of each table when vLLM commits it (``patches/block_table_translate``), so slot mappings,
 attention block tables and recurrent-state indices are physical while moves rewrite no row.
+
+A copy step that fails (an exception from the copy; `move_faults` injects them in tests) never
+lets a request read bytes that were not moved, nor ends the engine: the step's destinations
+are marked bad, later steps still run (what they copy from bad bytes is bad too), and every
+moved page whose final bytes are bad is *lost*. The connector reports lost vids as KV load
+errors; the scheduler (`scheduler._UlaSchedulerMixin`) ends the requests holding them with an
+error before it emits their tokens of this step. Pages that did not move are never written by
+a copy, so no other request notices. The scheduler's arena is unchanged by a failure (its
+placement is what the plan says; only the lost pages' bytes are garbage, and they are freed
+with their requests).
 """
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
 
+from .move_faults import MoveFaults
+
+logger = logging.getLogger("vllm.ulacache.arena_worker")
 _ACTIVE: "ArenaWorker | None" = None  # this worker process's arena (one engine per process)
 
 
@@ -18,8 +34,50 @@ def active() -> "ArenaWorker | None":
     return _ACTIVE
 
 
+class BadBytes:
+    """Byte ranges of the buffer whose content is not what the arena's placement says (only
+    built after a failed copy: the failure path, not the step's hot path)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[int, int]] = []  # disjoint [start, end)
+
+    def within(self, s: int, e: int) -> list[tuple[int, int]]:
+        return [(max(a, s), min(b, e)) for a, b in self.spans if a < e and s < b]
+
+    def cut(self, s: int, e: int) -> None:
+        out = []
+        for a, b in self.spans:
+            if b <= s or a >= e:
+                out.append((a, b))
+                continue
+            if a < s:
+                out.append((a, s))
+            if b > e:
+                out.append((e, b))
+        self.spans = out
+
+    def add(self, s: int, e: int) -> None:
+        self.cut(s, e)
+        self.spans.append((s, e))
+
+    def failed(self, rows) -> None:
+        """A copy step that did not (fully) run: every destination holds garbage."""
+        for _, d, n in rows:
+            self.add(d, d + n)
+
+    def copied(self, rows) -> None:
+        """A copy step that ran: destinations hold what their sources held (bad or good),
+        every source read before any write."""
+        moved = [(a - s + d, b - s + d) for s, d, n in rows for a, b in self.within(s, s + n)]
+        for _, d, n in rows:
+            self.cut(d, d + n)
+        for a, b in moved:
+            self.add(a, b)
+
+
 class ArenaWorker:
-    def __init__(self, layout, kv_caches: dict[str, torch.Tensor]) -> None:
+    def __init__(self, layout, kv_caches: dict[str, torch.Tensor],
+                 faults: MoveFaults | None = None) -> None:
         global _ACTIVE
         self.layout = layout
         first = next(iter(kv_caches.values()))
@@ -32,8 +90,11 @@ class ArenaWorker:
             if t.untyped_storage().data_ptr() != storage.data_ptr():
                 raise RuntimeError(f"ulacache arena: layer {name} has its own KV storage")
         self.v2g = torch.zeros(1024, dtype=torch.int32, device=first.device)
-        self.counters = {"steps": 0, "copies": 0, "bytes_copied": 0, "zeroed_pages": 0}
+        self.counters = {"steps": 0, "copies": 0, "bytes_copied": 0, "zeroed_pages": 0,
+                         "failed_copy_steps": 0, "lost_pages": 0, "stalled_copy_steps": 0}
         self.stats: dict = {}
+        self.faults = faults  # test-only (`move_faults`); None: no fault can fire
+        self.lost: set[int] = set()  # vids whose bytes a failed copy lost, not yet reported
         _ACTIVE = self
 
     def close(self) -> None:
@@ -43,11 +104,26 @@ class ArenaWorker:
 
     def apply(self, plan) -> None:
         buf = self.buf
+        if self.faults is not None:
+            self.faults.poll()
+        bad: BadBytes | None = None
         for step in plan.copies:
             rows = step.tolist()
-            chunks = [buf[s:s + n].clone() for s, _, n in rows]
-            for (_, d, n), c in zip(rows, chunks):
-                buf[d:d + n].copy_(c)
+            try:
+                if self.faults is not None and self.faults.before_copy("arena", len(rows)):
+                    self.counters["stalled_copy_steps"] += 1
+                chunks = [buf[s:s + n].clone() for s, _, n in rows]
+                for (_, d, n), c in zip(rows, chunks):
+                    buf[d:d + n].copy_(c)
+            except Exception as err:  # noqa: BLE001 - any copy failure: see the module doc
+                bad = bad or BadBytes()
+                bad.failed(rows)
+                self.counters["failed_copy_steps"] += 1
+                logger.error("ulacache arena: a page copy step failed (%s: %s); %d pages' "
+                             "destinations marked lost", type(err).__name__, err, len(rows))
+                continue
+            if bad is not None:
+                bad.copied(rows)
             self.counters["copies"] += len(rows)
             self.counters["bytes_copied"] += int(step[:, 2].sum())
         if len(plan.vids):
@@ -58,12 +134,30 @@ class ArenaWorker:
                 grown[:len(self.v2g)] = self.v2g
                 self.v2g = grown
             self.v2g[torch.from_numpy(plan.vids)] = torch.from_numpy(plan.granules).to(torch.int32)
+        if bad is not None:
+            self._lose(plan, bad)
         for off, n in plan.zero.tolist():
             buf[off:off + n].zero_()
         self.counters["zeroed_pages"] += len(plan.zero)
         self.counters["steps"] += 1
         if plan.stats:
             self.stats = plan.stats
+
+    def _lose(self, plan, bad: BadBytes) -> None:
+        """The plan's placed pages whose final bytes are bad (new pages are zeroed next:
+        they hold nothing yet, so nothing of theirs is lost)."""
+        offs = plan.granules.astype(np.int64) * self.layout.alignment
+        new = set(plan.zero[:, 0].tolist())
+        lost = [v for v, o, n in zip(plan.vids.tolist(), offs.tolist(), plan.sizes.tolist())
+                if o not in new and bad.within(o, o + n)]
+        self.lost.update(lost)
+        self.counters["lost_pages"] += len(lost)
+        logger.error("ulacache arena: %d pages lost by a failed copy; their requests end with "
+                     "an error", len(lost))
+
+    def take_lost(self) -> set[int]:
+        out, self.lost = self.lost, set()
+        return out
 
     def translate(self, block_table, num_reqs: int) -> None:
         """``block_table`` is one of vLLM's ``BlockTable``s: its host rows hold vids; its

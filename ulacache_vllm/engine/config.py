@@ -166,9 +166,10 @@ BACKEND_HELP = ("`vllm`: stock block manager (default). `ulacache`: logical addr
 ENV_KNOBS = {
     "ULACACHE_PBLRU_SMALL_POOL_SLOTS": "PB-LRU pools up to this many slots (default 4096) "
     "pick victims by one timestamp top-k (exact LRU; cheaper for small pools).",
-    "ULACACHE_TEST_MOVE_FAULTS": "testing only: a JSON file that makes row copies of the "
-    "worker's move path raise or stall (`ulacache_vllm/engine/move_faults.py`). A failed copy "
-    "ends the requests whose rows it lost with an error; the others are unaffected.",
+    "ULACACHE_TEST_MOVE_FAULTS": "testing only: a JSON file that makes the worker's copies "
+    "raise or stall: tier row copies (DSA) and arena page moves (hybrid models) "
+    "(`ulacache_vllm/engine/move_faults.py`). A failed copy ends the requests whose KV it "
+    "lost with an error; the others are unaffected.",
 }
 
 

@@ -84,8 +84,9 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         arena = getattr(self._kv_cache_config, "ulacache_arena", None)
         if arena is not None:
             from .arena_worker import ArenaWorker
+            from .move_faults import MoveFaults
 
-            self.arena = ArenaWorker(arena, kv_caches)
+            self.arena = ArenaWorker(arena, kv_caches, MoveFaults.from_env())
             self._rank = _tp_rank()
             logger.info("ulacache worker arena ready: %s", arena.summary())
             return
@@ -152,6 +153,10 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM unions them over the workers and, under its default kv_load_failure_policy
         # "fail", ends the requests holding them with an error (the client gets one) and
         # drops their tokens of this step; an exception here would end the engine core.
+        # The arena reports lost pages' vids (unique across its kinds: the scheduler maps
+        # them to requests itself, see `scheduler._UlaSchedulerMixin`).
+        if self.arena is not None:
+            return self.arena.take_lost()
         if self.store is None:
             return set()
         return self.store.take_lost_blocks()

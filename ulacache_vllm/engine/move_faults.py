@@ -1,13 +1,19 @@
 """Test-only fault injection in the worker's move path. Off by default; nothing here runs
 unless a test turns it on.
 
-The worker store's row copies between tiers (`UlaWorkerStore.copy_fn`: demotions device ->
-host, promotions host -> device, and the staging copies of a promotion into a full host pool)
-ask ``store.faults`` before each copy; ``None`` (the default) costs one attribute test. A
-fault makes a copy raise `MoveFaultError` (what a failed host transfer would do) or sleep
-first (a stalled one). What the store does about a failed copy is the product's behaviour,
-not this module's: see `UlaWorkerStore._apply` (the requests whose rows were lost end with an
-error; nobody else notices).
+Two movers ask their ``faults`` before each copy; ``None`` (the default) costs one attribute
+test:
+
+* the DSA worker store's row copies between tiers (`UlaWorkerStore.copy_fn`: demotions device
+  -> host, promotions host -> device, and the staging copies of a promotion into a full host
+  pool);
+* the hybrid arena's page moves (`ArenaWorker.apply`: each copy step of a compaction or
+  relayout, move ``"arena"``).
+
+A fault makes a copy raise `MoveFaultError` (what a failed transfer would do) or sleep first
+(a stalled one). What the mover does about a failed copy is the product's behaviour, not this
+module's: see `UlaWorkerStore._apply` and `ArenaWorker.apply` (the requests whose KV was lost
+end with an error; nobody else notices).
 
 Two ways to arm it:
 
@@ -16,10 +22,10 @@ Two ways to arm it:
   in its environment (the workers inherit it). Each step the worker re-reads the file when it
   changed and arms what it says (a missing or empty file: no faults)::
 
-      {"fault": "raise" | "stall", "moves": ["demote", "promote", "stage"],
+      {"fault": "raise" | "stall", "moves": ["demote", "promote", "stage", "arena"],
        "skip": 0, "count": 1, "seconds": 1.0, "nonce": 7}
 
-  ``moves``: which copies qualify (default all three); ``skip``: qualifying copies let through
+  ``moves``: which copies qualify (default all); ``skip``: qualifying copies let through
   first; ``count``: qualifying copies affected (-1: every one); ``seconds``: a stall's length;
   ``nonce``: any value, so that writing the same fault again re-arms it. Every worker process
   (each TP rank) arms its own copy of the spec.
@@ -35,7 +41,7 @@ from dataclasses import dataclass
 # (vLLM's init_logger is this; plain logging keeps the module importable without vLLM.)
 logger = logging.getLogger("vllm.ulacache.move_faults")
 ENV = "ULACACHE_TEST_MOVE_FAULTS"
-MOVES = ("demote", "promote", "stage")
+MOVES = ("demote", "promote", "stage", "arena")
 KINDS = ("raise", "stall")
 
 
@@ -90,13 +96,14 @@ class MoveFaults:
             armed.fault, armed.moves, armed.skip, armed.count, armed.seconds)
         self.fired = 0
 
-    def before_copy(self, move: str, rows: int) -> None:
-        """Called by the store before each tier copy of ``rows`` rows (``move`` in MOVES)."""
+    def before_copy(self, move: str, rows: int) -> bool:
+        """Called by a mover before each copy of ``rows`` rows or pages (``move`` in MOVES);
+        True if it stalled the copy, raises if it failed it."""
         if self.count == 0 or move not in self.moves:
-            return
+            return False
         if self.skip > 0:
             self.skip -= 1
-            return
+            return False
         if self.count > 0:
             self.count -= 1
         self.fired += 1
@@ -104,5 +111,5 @@ class MoveFaults:
             logger.warning("ulacache test fault (%s): stalling a %s copy of %d rows for %.2f s",
                            ENV, move, rows, self.seconds)
             time.sleep(self.seconds)
-            return
+            return True
         raise MoveFaultError(f"ulacache test fault ({ENV}): {move} copy of {rows} rows failed")
