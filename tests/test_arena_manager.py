@@ -151,7 +151,16 @@ def test_sliding_window_pages_go_back_to_the_arena_while_decoding():
     assert mgr.stats()["arena_used_by_kind"]["full"] == 9 * PAGE
 
 
-def test_moves_keep_every_page_and_one_fence_per_step():
+@pytest.fixture(params=["gather", "slices"])
+def executor(request, monkeypatch):
+    """The worker's two CPU executors of a step: whole-step index ops, or a slice per range."""
+    import ulacache_vllm.engine.arena_worker as aw
+
+    monkeypatch.setattr(aw, "LOOP_MIN_BYTES", 1 << 40 if request.param == "gather" else 0)
+    return request.param
+
+
+def test_moves_keep_every_page_and_one_fence_per_step(executor):
     mgr = _manager(total_pages=48, force_moves=2)
     eng = Engine(mgr)
     reqs = [_request(f"r{i}", (2 + i) * BS) for i in range(5)]
@@ -272,7 +281,7 @@ def test_bad_bytes_follow_the_copy_chain():
 
 
 @pytest.mark.parametrize("failing", [0, 1])
-def test_a_page_copied_on_from_a_failed_destination_is_lost(failing):
+def test_a_page_copied_on_from_a_failed_destination_is_lost(failing, executor):
     """Hand-made plan, pages of 8 bytes: vid 1 goes 0 -> 16 -> 32 over two steps, vid 2
     goes 8 -> 24 in the second. Step ``failing`` raises: vid 1 is lost either way (its chain
     passes through it); vid 2 only if its own step failed; vid 3 (new, zeroed) never."""
