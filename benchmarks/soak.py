@@ -216,7 +216,8 @@ def main() -> int:
         from hybrid_capacity import _model_path
 
         if a.tp > 1:
-            ap.error("--hybrid runs with --tp 1 (the arena refuses TP > 1 for now)")
+            ap.error("--hybrid runs with --tp 1 here (the engine runs the arena at TP > 1; this "
+                     "benchmark's hybrid settings are not sized for it yet)")
         a.model = a.model or _model_path(a.hybrid)
         if a.device_bytes == ap.get_default("device_bytes"):
             a.device_bytes = 6 << 20

@@ -223,7 +223,8 @@ def main() -> None:
         from hybrid_capacity import MODELS, _model_path
 
         if a.tp > 1:
-            ap.error("--hybrid runs with --tp 1 (the arena refuses TP > 1 for now)")
+            ap.error("--hybrid runs with --tp 1 here (the engine runs the arena at TP > 1; this "
+                     "sweep's hybrid configurations are not sized for it yet)")
         a.model = a.model or _model_path(a.hybrid)
         a.dtype = MODELS[a.hybrid]["dtype"]
         if a.device_bytes == ap.get_default("device_bytes"):

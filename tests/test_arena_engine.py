@@ -11,6 +11,9 @@ back to its null page with an empty ledger afterwards.
 - GPT-OSS (sliding window + full attention, sinks) and Gemma 3 (5 sliding : 1 full) run in
   float32 against an ample stock engine, with an arena too small for the workload: preemption
   and recompute must not change a token.
+- Qwen3-Next at TP=2: one plan runs on both ranks' arenas.
+- Faults in the worker's page moves: stalls change no token; a failed copy ends only the
+  requests whose pages it lost, with an error.
 The tiny models' greedy output depends on the context (distinct tokens; GPT-OSS and Gemma 3
 are built with `initializer_range` 0.1, Gemma 3 with untied embeddings, at which their random
 logits are no longer flat).
@@ -232,3 +235,51 @@ def test_a_failed_page_copy_ends_its_requests_with_an_error_and_no_other(swa_run
     before, after = ula["usage_before_faults"]["worker"], ula["usage_faults"]["worker"]
     assert after["failed_copy_steps"] - before["failed_copy_steps"] == 2, (before, after)
     assert after["lost_pages"] > before["lost_pages"], (before, after)
+
+
+TP_SCRIPT = r"""
+from vllm import LLM, SamplingParams
+llm = LLM(model=ARGS["model"], dtype="bfloat16", enforce_eager=True, max_model_len=1024,
+          max_num_batched_tokens=1024, enable_prefix_caching=False, seed=0, max_num_seqs=6,
+          tensor_parallel_size=2, disable_log_stats=False, **ARGS["kw"])
+words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
+         "omicron pi rho sigma tau upsilon").split()
+prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(30 + 23 * i))
+           for i in range(6)]
+outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=40 + 11 * i,
+                                             ignore_eos=True) for i in range(6)])
+res = {"main": [list(o.outputs[0].token_ids) for o in outs]}
+ula = ARGS["kw"]["kv_backend"] == "ulacache"
+res["usage_main"] = llm.collective_rpc("ulacache_usage") if ula else None
+llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=1))
+res["usage_end"] = llm.collective_rpc("ulacache_usage") if ula else None
+""" + EMIT_WITH_METRICS
+
+
+def test_tensor_parallel_2_arena_parity_with_forced_moves(tiny_model):
+    """Qwen3-Next at TP=2: each rank's arena holds its heads' share of every page (state and
+    attention), and one step plan (the same vids, granules and copies) runs on both ranks.
+    Greedy output equals stock TP=2 (same schedule: the 6 requests run at once on both
+    sides) with compactions and relayouts forced; each rank copied the bytes the plan says;
+    both arenas end clean."""
+    model = str(tiny_model("qwen3_next"))
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    ula = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
+        "kv_backend": "ulacache", "kv_cache_memory_bytes": 16 << 20,
+        "ula_arena_force_moves": 2}}, timeout=900, env=env)
+    ref = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
+        "kv_backend": "vllm", "kv_cache_memory_bytes": 128 << 20}}, timeout=900, env=env)
+    _check_distinct(ref["main"])
+    assert ula["main"] == ref["main"]
+    assert ula["metrics"]["vllm:num_preemptions"] == 0 == ref["metrics"]["vllm:num_preemptions"]
+    ranks = ula["usage_main"]
+    assert len(ranks) == 2, ranks
+    for u in ranks:
+        assert u["worker"]["bytes_copied"] == u["arena_bytes_copied"] > 0, u
+        assert u["arena_compactions"] > 0 and u["arena_relayouts"] > 0, u
+        assert set(u["kinds"]) == {"state", "full"}, u
+    # One plan for both ranks: the same moves and pages, each rank on its own buffer.
+    assert ranks[0]["worker"] == ranks[1]["worker"]
+    assert ranks[0]["kinds"] == ranks[1]["kinds"]
+    for u in ula["usage_end"]:
+        _check_clean(u)

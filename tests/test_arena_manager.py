@@ -340,7 +340,7 @@ def test_block_table_translation_writes_granules_and_keeps_vids():
     eng.worker.close()
 
 
-@pytest.mark.parametrize("what", ["tp", "mamba2"])
+@pytest.mark.parametrize("what", ["pp", "dcp", "mamba2"])
 def test_unsupported_hybrid_setups_are_refused_with_the_fix(what):
     from ulacache_vllm.engine import config, wiring
 
@@ -349,7 +349,13 @@ def test_unsupported_hybrid_setups_are_refused_with_the_fix(what):
         with pytest.raises(config.KVBackendError, match="Qwen3NextForCausalLM.*--kv-backend vllm"):
             config.check_model_supported(mc)
         return
-    vc = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2,
-                                                         pipeline_parallel_size=1))
-    with pytest.raises(config.KVBackendError, match="tensor_parallel_size 2.*--kv-backend vllm"):
-        wiring.prepare_arena(vc)
+    pc = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
+                         decode_context_parallel_size=1)
+    if what == "pp":
+        pc.pipeline_parallel_size = 2
+        match = "pipeline_parallel_size 2.*--kv-backend vllm"
+    else:
+        pc.decode_context_parallel_size = 2
+        match = "decode_context_parallel_size > 1.*--kv-backend vllm"
+    with pytest.raises(config.KVBackendError, match=match):
+        wiring.prepare_arena(SimpleNamespace(parallel_config=pc))

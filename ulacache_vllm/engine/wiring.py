@@ -108,11 +108,17 @@ def prepare_arena(vllm_config: Any) -> None:
     the attention page defaults to 32 tokens instead of the CPU build's 128."""
     pc = vllm_config.parallel_config
     fix = " Use --kv-backend vllm for this setup."
-    if pc.tensor_parallel_size > 1 or pc.pipeline_parallel_size > 1:
+    # Tensor parallelism: every rank holds its heads' share of every page, so one plan (the
+    # same vids, granules and copies) serves every rank's buffer.
+    if pc.pipeline_parallel_size > 1:
         raise KVBackendError(
-            f"--kv-backend ulacache's arena (hybrid models) runs with one worker per engine "
-            f"for now: tensor_parallel_size {pc.tensor_parallel_size}, pipeline_parallel_size "
-            f"{pc.pipeline_parallel_size} are not supported yet.{fix}")
+            f"--kv-backend ulacache's arena (hybrid models) does not support pipeline "
+            f"parallelism yet (pipeline_parallel_size {pc.pipeline_parallel_size}); tensor "
+            f"parallelism is supported.{fix}")
+    for what in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(pc, what, 1) or 1) > 1:
+            raise KVBackendError(f"--kv-backend ulacache's arena (hybrid models) does not "
+                                 f"support {what} > 1 yet.{fix}")
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise KVBackendError("--kv-backend ulacache's arena (hybrid models) does not support "
                              f"speculative decoding yet.{fix}")

@@ -521,9 +521,9 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
                  f"sizes, doubled until the arena has at most {arena_sizing.MAX_GRANULES} "
                  f"granules), a null page reserved; attention in "
                  f"{ARENA_BLOCK_SIZE}-token pages; {{}}; prefix caching off (ulacache turns it "
-                 f"off). The engine runs the arena on vLLM's CPU build with one worker (TP 1) "
-                 f"today: at TP > 1 or on GPUs this is its sizing per rank, not a "
-                 f"configuration it starts")
+                 f"off). The engine runs the arena on vLLM's CPU build (TP included: every rank "
+                 f"runs the same plan on its heads' share of each page); on GPUs this is its "
+                 f"sizing per rank, not a configuration it starts yet")
         if m.kind == "gdn":
             shapes, dtypes = gdn_state(m, cl.tp)
             st = state_bytes(shapes, dtypes)
