@@ -115,10 +115,7 @@ def prepare_arena(vllm_config: Any) -> None:
             f"--kv-backend ulacache's arena (hybrid models) does not support pipeline "
             f"parallelism yet (pipeline_parallel_size {pc.pipeline_parallel_size}); tensor "
             f"parallelism is supported.{fix}")
-    for what in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if (getattr(pc, what, 1) or 1) > 1:
-            raise KVBackendError(f"--kv-backend ulacache's arena (hybrid models) does not "
-                                 f"support {what} > 1 yet.{fix}")
+    _refuse_context_parallel(pc, "--kv-backend ulacache's arena (hybrid models)", f" yet.{fix}")
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise KVBackendError("--kv-backend ulacache's arena (hybrid models) does not support "
                              f"speculative decoding yet.{fix}")
@@ -132,6 +129,12 @@ def prepare_arena(vllm_config: Any) -> None:
     cc = vllm_config.cache_config
     if not getattr(cc, "user_specified_block_size", False):
         cc.block_size = ARENA_BLOCK_SIZE
+
+
+def _refuse_context_parallel(pc: Any, who: str, why: str) -> None:
+    for what in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(pc, what, 1) or 1) > 1:
+            raise KVBackendError(f"{who} does not support {what} > 1{why}")
 
 
 def shards_of(vllm_config: Any, settings: UlaSettings) -> int:
@@ -151,10 +154,8 @@ def check_tp_mode(vllm_config: Any, settings: UlaSettings) -> None:
         raise KVBackendError(f"--ula-tp-mode shard (tensor_parallel_size {tp}) does not "
                              f"support pipeline parallelism (pipeline_parallel_size "
                              f"{pc.pipeline_parallel_size}) yet{fix}")
-    for what in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if (getattr(pc, what, 1) or 1) > 1:
-            raise KVBackendError(f"--ula-tp-mode shard does not support {what} > 1 (vLLM's "
-                                 f"context parallelism shards the KV itself){fix}")
+    _refuse_context_parallel(pc, "--ula-tp-mode shard",
+                             f" (vLLM's context parallelism shards the KV itself){fix}")
     if getattr(vllm_config, "speculative_config", None) is not None:
         raise KVBackendError("--ula-tp-mode shard does not support speculative decoding (MTP) "
                              "yet: rejected draft tokens rewrite their KV rows in place, which "
