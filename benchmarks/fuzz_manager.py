@@ -1,9 +1,12 @@
 """Long fuzz run of the scheduler-facing manager + worker store (see lab/manager_fuzz.py):
 random admit / append / finish / preempt / abort / deferred-free operations checked against a
-reference model after each one. Prints operations per second and the counts; exits non-zero
-on the first violated invariant.
+reference model after each one. ``--arena``: the hybrid arena's manager and worker instead
+(lab/arena_fuzz.py: admit, chunked prefill, decode, finish, preempt, abort, forced and needed
+moves, failing copies), checked after every engine step. Prints operations per second and
+the counts; exits non-zero on the first violated invariant.
 
     python benchmarks/fuzz_manager.py --ops 100000 --seeds 3
+    python benchmarks/fuzz_manager.py --arena --ops 100000 --seeds 3
 """
 from __future__ import annotations
 
@@ -21,7 +24,10 @@ def main(argv=None) -> int:
     ap.add_argument("--ops", type=int, default=100_000, help="operations per seed")
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--no-worker", action="store_true", help="the manager alone (faster)")
+    ap.add_argument("--arena", action="store_true", help="the hybrid arena's manager + worker")
     args = ap.parse_args(argv)
+    if args.arena:
+        return _arena(args)
     for seed in range(args.seeds):
         t0 = time.perf_counter()
         st = run(seed, args.ops, worker=not args.no_worker)
@@ -29,6 +35,33 @@ def main(argv=None) -> int:
         print(f"seed {seed}: {args.ops} ops in {dt:.1f} s ({args.ops / dt:.0f}/s), ops {st.ops}, "
               f"refused {st.refused}, reported dead {st.reported_dead}, worker promotions "
               f"{st.worker_promotions}, demotions {st.worker_demotions}: all invariants held")
+    return 0
+
+
+def _arena(args) -> int:
+    import logging
+
+    from lab.arena_fuzz import run as run_arena
+
+    logging.getLogger("vllm.ulacache").setLevel(logging.CRITICAL)  # the injected faults' lines
+    # Per seed: three arenas (ample with forced moves, tight with forced moves, tight with
+    # moves only when needed) and the tight one with failing copies; ~10 operations a step.
+    configs = [(96, 3, 0), (48, 3, 0), (48, 0, 0), (48, 3, 8)]
+    for seed in range(args.seeds):
+        for pages, force, faults in configs:
+            t0, steps, ops = time.perf_counter(), 0, 0
+            st = None
+            while ops < args.ops // len(configs):
+                st = run_arena(seed * 1000 + steps, 2000, total_pages=pages,
+                               force_moves=force, fault_every=faults)
+                steps += st.steps
+                ops += sum(st.ops.values())
+            dt = time.perf_counter() - t0
+            print(f"seed {seed} arena of {pages} pages, forced moves every {force or '-'}, "
+                  f"faults 1/{faults or '-'}: {ops} ops over {steps} steps in {dt:.1f} s "
+                  f"({ops / dt:.0f}/s); last run: ops {st.ops}, refused {st.refused}, "
+                  f"compactions {st.compactions}, relayouts {st.relayouts}, lost pages "
+                  f"{st.lost_pages}: all invariants held")
     return 0
 
 

@@ -17,7 +17,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from ulacache_vllm.engine.arena_manager import ArenaKVCacheManager
 from ulacache_vllm.engine.arena_sizing import ArenaGroup, ArenaLayout
-from ulacache_vllm.engine.arena_worker import ArenaWorker
+from lab.arena_fuzz import Harness, check_tiling
 
 BS = 32
 MAX_LEN = 512
@@ -45,76 +45,31 @@ def _manager(total_pages: int, force_moves: int = 0) -> ArenaKVCacheManager:
                                hash_block_size=BS, enable_caching=False, max_in_flight_tokens=BS)
 
 
-def _worker(mgr) -> ArenaWorker:
-    lay = mgr.layout
-    buf = torch.zeros(lay.buffer_bytes, dtype=torch.int8)
-    w = ArenaWorker(lay, {"l0": buf[:PAGE], "l1": buf[PAGE:2 * PAGE]})
-    return w
+class Engine(Harness):
+    """The fuzz driver's harness (`benchmarks/lab/arena_fuzz.py`: plan to the worker, every
+    page's bytes checked, new pages filled) with the requests of each step given."""
+
+    def step(self, requests: dict[Request, int]):
+        got = {}
+
+        def schedule():
+            done = {}
+            for req, n in requests.items():
+                got[req.request_id] = self.mgr.allocate_slots(req, n)
+                if got[req.request_id] is not None:
+                    req.status = RequestStatus.RUNNING
+                    done[req] = n
+            return done
+
+        super().step(schedule)
+        return got, self.plan
+
+    def free(self, req):
+        self.mgr.free(req)
 
 
 def _request(rid: str, n: int) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=1000), None)
-
-
-class Engine:
-    """Drives the manager the way vLLM's scheduler and the connector do, one step at a time,
-    and keeps each page's expected bytes to check the worker's copy of the arena."""
-
-    def __init__(self, mgr):
-        self.mgr, self.worker = mgr, _worker(mgr)
-        self.content: dict[int, int] = {}  # vid -> the byte value its page was filled with
-        self.next_fill = 1
-
-    def step(self, requests: dict[Request, int]):
-        self.mgr.new_step_starts()
-        got = {}
-        for req, n in requests.items():
-            blocks = self.mgr.allocate_slots(req, n)
-            got[req.request_id] = blocks
-            if blocks is not None:
-                req.status = RequestStatus.RUNNING
-        plan = self.mgr.take_step_plan()
-        self.worker.apply(plan)
-        # Pages a failed copy lost (what the connector reports): not checked, refilled below;
-        # their requests are the caller's to end.
-        self.lost = self.worker.take_lost()
-        for vid in self.lost:
-            self.content.pop(vid, None)
-        for vid in self.mgr.arena.p2v(plan.zero[:, 0]).tolist():
-            self.content.pop(vid, None)  # a new page (a recycled vid): zeroed, refilled below
-            assert bool((self._page(vid) == 0).all())
-        self._check_pages()
-        for req, n in requests.items():
-            if got[req.request_id] is not None:
-                req.num_computed_tokens += n
-                for ids in self.mgr.get_block_ids(req.request_id):
-                    for vid in ids:
-                        if vid and vid not in self.content:
-                            self._fill(vid)
-        self.mgr.step_processed(plan.seq)
-        return got, plan
-
-    def _page(self, vid):
-        g = int(self.worker.v2g[vid])
-        off = g * self.mgr.layout.alignment
-        return self.worker.buf[off:off + PAGE]
-
-    def _fill(self, vid):
-        self.content[vid] = self.next_fill % 127 + 1
-        self.next_fill += 1
-        self._page(vid).fill_(self.content[vid])
-
-    def _check_pages(self):
-        live = {int(v) for v in self.mgr.arena.live_pages()[0]} - {0}
-        for vid in list(self.content):
-            if vid not in live:
-                del self.content[vid]  # freed (its vid may come back for a new page)
-        for vid, val in self.content.items():
-            page = self._page(vid)
-            assert bool((page == val).all()), (vid, val, page[:4])
-
-    def free(self, req):
-        self.mgr.free(req)
 
 
 def test_byte_gate_admits_what_fits_and_frees_back_to_the_null_page():
@@ -183,18 +138,6 @@ def test_moves_keep_every_page_and_one_fence_per_step(executor):
     assert not [f for f in mgr.arena.ledger.open_fences() if f.label != "null page"]
 
 
-def _check_tiling(arena) -> None:
-    """Live pages, free extents and withheld bytes tile the arena exactly."""
-    _, offs, sizes = arena.live_pages()
-    spans = sorted([(int(o), int(o + n)) for o, n in zip(offs, sizes)] + list(arena.free_extents())
-                   + [(o, o + n) for o, (n, _) in arena.ledger.pending().items()])
-    pos = 0
-    for a, b in spans:
-        assert a == pos, (pos, a)
-        pos = b
-    assert pos == arena.total_bytes
-
-
 def _run_with_faults(faults, seed: int, steps: int = 36):
     """Five requests decoding with a compaction or relayout every 2 steps and holes punched
     in both bands, the worker's copies under ``faults``. Every page not reported lost keeps
@@ -225,7 +168,7 @@ def _run_with_faults(faults, seed: int, steps: int = 36):
                 eng.free(r)
                 live.remove(r)
             events.append((step, set(eng.lost), moved, ended))
-        _check_tiling(mgr.arena)
+        check_tiling(mgr.arena)
     return mgr, eng, events
 
 

@@ -1,0 +1,302 @@
+"""Fuzz driver for the arena's scheduler side and its worker together, against a reference
+model of which request holds which pages and what each page holds.
+
+Random admit (whole or chunked prefill) / decode / finish / preempt / abort sequences run on a
+real `ArenaKVCacheManager` (vLLM's full-attention, sliding-window and state managers over the
+arena, no engine), one engine step at a time: schedule (with compactions and relayouts when
+an admission needs room, and forced every few steps), ship the step plan to a real
+`ArenaWorker` over a byte buffer, "run the forward" (fill every new page with a value of its
+own), mark the step processed. Optionally the worker's copies fail now and then
+(``faults``): the requests holding lost pages are ended, as the scheduler does. After every
+step:
+
+* no page is held twice, by two requests or two groups; the null page is never handed out;
+  the arena's live pages are exactly the pages requests hold (no leak);
+* every request holds the pages its tokens need: one full-attention page per 32 tokens, one
+  state page, and at most the window's pages of the sliding group (the rest are null);
+* live pages, free extents and withheld bytes tile the arena exactly;
+* the worker's copy of every page holds the value written into it, wherever the page now
+  lives; new pages reach the forward zeroed.
+
+At the end everything is released: the arena holds only its null page and withholds nothing.
+`tests/test_arena_fuzz.py` runs a few hundred steps; `benchmarks/fuzz_manager.py --arena`
+runs 10^5 operations or more.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+BS = 32
+MAX_LEN = 512
+WINDOW = 64
+
+
+@dataclass
+class ArenaFuzzStats:
+    ops: dict = field(default_factory=dict)
+    steps: int = 0
+    refused: int = 0  # admissions the byte gate or the ladder could not place
+    preempted: int = 0
+    compactions: int = 0
+    relayouts: int = 0
+    bytes_copied: int = 0
+    lost_pages: int = 0
+    ended_by_faults: int = 0
+
+
+def specs():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+
+    full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    swa = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32,
+                            sliding_window=WINDOW)
+    # A state page of 3 KiB next to 2 KiB attention pages: the alignment is 1 KiB.
+    state = MambaSpec(block_size=MAX_LEN, shapes=((3, 256),), dtypes=(torch.float32,))
+    return {"sliding": ("l0", swa), "full": ("l1", full), "state": ("l2", state)}
+
+
+def manager(total_bytes: int, force_moves: int = 0):
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from ulacache_vllm.engine.arena_manager import ArenaKVCacheManager
+    from ulacache_vllm.engine.arena_sizing import ArenaGroup, ArenaLayout
+
+    sp = specs()
+    bands = {"sliding": "low", "full": "high", "state": "low"}
+    per_req = {"sliding": WINDOW // BS + 2, "full": MAX_LEN // BS, "state": 1}
+    groups = [ArenaGroup(k, bands[k], (name,), spec.page_size_bytes, spec.block_size, per_req[k])
+              for k, (name, spec) in sp.items()]
+    pages = [g.page_bytes for g in groups]
+    align = 1 << min((p & -p).bit_length() - 1 for p in pages)
+    total = total_bytes // align * align
+    layout = ArenaLayout(groups, align, total, total + max(pages), total + max(pages), MAX_LEN,
+                         force_moves_every=force_moves)
+    cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec([n], s) for n, s in sp.values()])
+    cfg.ulacache_arena = layout
+    sched_bs = math.lcm(*(s.block_size for _, s in sp.values()))  # as vLLM computes it
+    return ArenaKVCacheManager(cfg, max_model_len=MAX_LEN, scheduler_block_size=sched_bs,
+                               hash_block_size=BS, enable_caching=False, max_in_flight_tokens=BS)
+
+
+def worker(mgr):
+    from ulacache_vllm.engine.arena_worker import ArenaWorker
+
+    buf = torch.zeros(mgr.layout.buffer_bytes, dtype=torch.int8)
+    return ArenaWorker(mgr.layout, {n: buf for g in mgr.layout.groups for n in g.layer_names})
+
+
+class Harness:
+    """Drives the manager the way vLLM's scheduler and the connector do, one step at a time,
+    and keeps each page's expected value to check the worker's copy of the arena."""
+
+    def __init__(self, mgr) -> None:
+        self.mgr, self.worker = mgr, worker(mgr)
+        self.content: dict[int, int] = {}  # vid -> the byte value its page was filled with
+        self.next_fill = 1
+        self.lost: set[int] = set()
+
+    def step(self, schedule):
+        """One engine step. ``schedule()`` allocates this step's slots through the manager
+        and returns {request: new tokens} for the requests it scheduled; the step's plan then
+        goes to the worker, every page is checked, new pages are filled, and the step is
+        marked processed. Returns what ``schedule`` did; ``self.plan`` is the step's plan,
+        ``self.lost`` the vids a failed copy lost
+        (their requests are the caller's to end)."""
+        self.mgr.new_step_starts()
+        scheduled = schedule()
+        plan = self.mgr.take_step_plan()
+        self.worker.apply(plan)
+        self.lost = self.worker.take_lost()
+        for vid in self.lost:
+            self.content.pop(vid, None)  # not checked, refilled below
+        for vid in self.mgr.arena.p2v(plan.zero[:, 0]).tolist():
+            self.content.pop(vid, None)  # a new page (a recycled vid): zeroed, refilled below
+            assert bool((self.page(vid) == 0).all()), f"new page {vid} not zeroed"
+        self.check_pages()
+        for req, n in scheduled.items():
+            req.num_computed_tokens += n
+            for ids in self.mgr.get_block_ids(req.request_id):
+                for vid in ids:
+                    if vid and vid not in self.content:
+                        self.fill(vid)
+        self.mgr.step_processed(plan.seq)
+        self.plan = plan
+        return scheduled
+
+    def page(self, vid: int) -> torch.Tensor:
+        off = int(self.worker.v2g[vid]) * self.mgr.layout.alignment
+        return self.worker.buf[off:off + self.mgr.arena.page_bytes[self.kind(vid)]]
+
+    def kind(self, vid: int) -> int:
+        return int(self.mgr.arena._ids.kind_of([vid])[0])
+
+    def fill(self, vid: int) -> None:
+        self.content[vid] = self.next_fill % 127 + 1
+        self.next_fill += 1
+        self.page(vid).fill_(self.content[vid])
+
+    def check_pages(self) -> None:
+        live = {int(v) for v in self.mgr.arena.live_pages()[0]} - {0}
+        for vid in list(self.content):
+            if vid not in live:
+                del self.content[vid]  # freed (its vid may come back for a new page)
+        for vid, val in self.content.items():
+            page = self.page(vid)
+            assert bool((page == val).all()), f"page {vid} lost its bytes ({val}: {page[:4]})"
+
+
+def check_tiling(arena) -> None:
+    """Live pages, free extents and withheld bytes tile the arena exactly."""
+    _, offs, sizes = arena.live_pages()
+    spans = sorted([(int(o), int(o + n)) for o, n in zip(offs, sizes)] + list(arena.free_extents())
+                   + [(o, o + n) for o, (n, _) in arena.ledger.pending().items()])
+    pos = 0
+    for a, b in spans:
+        assert a == pos, f"gap or overlap at {pos}..{a}"
+        pos = b
+    assert pos == arena.total_bytes
+
+
+def _check_holdings(mgr, live: dict, last: dict) -> None:
+    """``last``: each request's tokens of the step just run (vLLM drops the window's old
+    pages at a request's next allocation, so a prefill holds all of its chunk's pages)."""
+    held = []
+    kinds = list(specs())
+    for req in live.values():
+        ids = mgr.get_block_ids(req.request_id)
+        for kind, blocks in zip(kinds, ids):
+            real = [b for b in blocks if b]
+            held.extend(real)
+            n = req.num_computed_tokens
+            if kind == "full":
+                assert len(real) == len(blocks) == -(-n // BS), (req.request_id, kind, blocks, n)
+            elif kind == "sliding":
+                assert len(blocks) == -(-n // BS), (req.request_id, kind, blocks, n)
+                most = -(-(WINDOW + last.get(req.request_id, 0)) // BS) + 1
+                assert len(real) <= most, (req.request_id, kind, blocks, most)
+                assert blocks[-1], (req.request_id, "the newest sliding page is null")
+            else:
+                assert len(real) == 1, (req.request_id, kind, blocks)
+    assert len(held) == len(set(held)), "a page held twice"
+    assert 0 not in held, "the null page handed out"
+    live_vids = set(mgr.arena.live_pages()[0].tolist()) - {0}
+    assert live_vids == set(held), f"leaked pages {sorted(live_vids - set(held))[:8]}"
+
+
+def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
+        fault_every: int = 0) -> ArenaFuzzStats:
+    """``num_steps`` engine steps of random operations; ``fault_every``: about one step in
+    this many has a failing copy (0: none)."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
+
+    from ulacache_vllm.engine.move_faults import MoveFaults
+
+    rng = random.Random(seed)
+    page = specs()["full"][1].page_size_bytes
+    mgr = manager(total_pages * page, force_moves)
+    h = Harness(mgr)
+    stats = ArenaFuzzStats()
+    live: dict[str, Request] = {}  # running: holding pages (in arrival order)
+    waiting: list[Request] = []  # new or preempted: no pages
+    prefill_left: dict[str, int] = {}  # prompt tokens (of running requests) not computed yet
+    counter = 0
+
+    def bump(op: str) -> None:
+        stats.ops[op] = stats.ops.get(op, 0) + 1
+
+    def end(req, op: str) -> None:
+        mgr.free(req)
+        live.pop(req.request_id, None)
+        prefill_left.pop(req.request_id, None)
+        bump(op)
+
+    def preempt(victim) -> None:
+        end(victim, "preempt")
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        waiting.append(victim)
+        stats.preempted += 1
+
+    def schedule() -> dict:
+        """Running requests first (the next prefill chunk, or one decoded token), preempting
+        the newest running request while one does not fit; then up to two waiting ones."""
+        done: dict = {}
+        for req in list(live.values()):
+            if req.request_id not in live:
+                continue  # preempted for an older request this step
+            left = prefill_left.get(req.request_id, 0)
+            if left:
+                n = min(left, rng.choice((BS, 2 * BS, 100)))
+            elif req.num_tokens >= MAX_LEN - 1:
+                end(req, "finish")
+                continue
+            else:
+                req.append_output_token_ids(rng.randint(1, 999))
+                n = 1
+            while mgr.allocate_slots(req, n) is None:
+                preempt(list(live.values())[-1])
+                if req.request_id not in live:
+                    break
+            else:
+                done[req] = n
+                prefill_left[req.request_id] = left - n if left else 0
+                bump("prefill_chunk" if left else "decode")
+        for req in [r for r in done if r.request_id not in live]:
+            del done[req]  # preempted after it was scheduled
+        for req in list(waiting[:rng.randint(0, 2)]):
+            n = req.num_tokens if rng.random() < 0.5 else min(req.num_tokens,
+                                                              rng.choice((BS, 100)))
+            if mgr.allocate_slots(req, n) is None:
+                stats.refused += 1
+                break  # first come, first served: the head waits
+            req.status = RequestStatus.RUNNING
+            waiting.remove(req)
+            live[req.request_id] = req
+            prefill_left[req.request_id] = req.num_tokens - n
+            done[req] = n
+            bump("admit")
+        return done
+
+    for _ in range(num_steps):
+        if fault_every and rng.random() < 1 / fault_every:
+            h.worker.faults = MoveFaults("raise", moves=("arena",), count=1)
+        # Requests leave between steps: finish or abort while running, abort while waiting.
+        for req in list(live.values()):
+            r = rng.random()
+            if r < 0.03:
+                end(req, "finish")
+            elif r < 0.05:
+                end(req, "abort")
+        if waiting and rng.random() < 0.03:
+            waiting.pop(rng.randrange(len(waiting)))
+            bump("abort_waiting")
+        while len(waiting) < 3:
+            counter += 1
+            n = rng.randint(1, MAX_LEN // 2)
+            waiting.append(Request(f"r{counter}", [rng.randint(1, 999) for _ in range(n)],
+                                   SamplingParams(max_tokens=1 << 20), None))
+        last = {r.request_id: n for r, n in h.step(schedule).items()}
+        if h.lost:  # the scheduler ends the requests holding lost pages with an error
+            stats.lost_pages += len(h.lost)
+            for rid in mgr.requests_holding(h.lost, live.values()):
+                end(live[rid], "ended_by_fault")
+                stats.ended_by_faults += 1
+        stats.steps += 1
+        _check_holdings(mgr, live, last)
+        check_tiling(mgr.arena)
+    for req in list(live.values()):
+        end(req, "finish")
+    h.step(dict)  # an empty step: the last frees' fences pass
+    assert mgr.arena.used_bytes == mgr.arena.page_bytes[0], "pages left after every free"
+    assert mgr.arena.pending_bytes == 0, "bytes still withheld"
+    s = mgr.stats()
+    stats.compactions, stats.relayouts = s["arena_compactions"], s["arena_relayouts"]
+    stats.bytes_copied = h.worker.counters["bytes_copied"]
+    h.worker.close()
+    return stats
