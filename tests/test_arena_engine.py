@@ -235,6 +235,7 @@ def test_a_failed_page_copy_ends_its_requests_with_an_error_and_no_other(swa_run
     before, after = ula["usage_before_faults"]["worker"], ula["usage_faults"]["worker"]
     assert after["failed_copy_steps"] - before["failed_copy_steps"] == 2, (before, after)
     assert after["lost_pages"] > before["lost_pages"], (before, after)
+    assert ula["metrics"]["vllm:ulacache_failed_copies"] == 2, ula["metrics"]
 
 
 TP_SCRIPT = r"""

@@ -314,6 +314,8 @@ def test_a_failed_move_ends_its_requests_with_an_error_and_no_other(server, pres
     assert "a row copy failed" in text and "KV load failure" in text
     m1 = _pools_back_to_zero(base)
     assert _finished(m1, "error") - _finished(m0, "error") == len(failed)
+    assert (_metric(m1, "vllm:ulacache_failed_copies_total")
+            - _metric(m0, "vllm:ulacache_failed_copies_total")) == 1
     with cf.ThreadPoolExecutor(len(failed)) as ex:
         again = list(ex.map(lambda i: _complete(base, model, prompts[i], 32), failed))
     assert [o["choices"][0]["text"] for o in again] == [want[i] for i in failed]

@@ -227,6 +227,7 @@ def test_a_failed_demotion_drops_only_its_victims_and_reports_their_blocks():
     new = torch.arange(16 + 5 * 40, 16 + 6 * 40)
     step(store, mods, new)  # does not raise
     assert store.faults.fired == 1 and store.failed_moves == 1
+    assert store.take_counters().failed_copies == 1  # (/metrics: vllm:ulacache_failed_copies_total)
     lost = _unmapped(store, live)
     assert lost.numel() > 0 and store.lost_entries == lost.numel()
     assert store.take_lost_blocks() == set((lost // BS).tolist())

@@ -188,18 +188,20 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         sent when they changed."""
         from .metrics import ARENA_COUNTERS, arena_gauges
 
-        s = self.arena.stats
-        if not s:
+        # The scheduler's counters (in the plan's stats) and this worker's failed copies.
+        s = {**self.arena.stats, "failed_copies": self.arena.counters["failed_copy_steps"]}
+        if len(s) == 1:
             return None
+        keys = ARENA_COUNTERS + ("failed_copies",)
         data = {}
-        for k in ARENA_COUNTERS:
+        for k in keys:
             d = s.get(k, 0) - self._arena_reported.get(k, 0)
             if d:
                 data[k] = d
         gauges = arena_gauges(s)
         if not data and gauges == self._arena_reported.get("gauges"):
             return None
-        self._arena_reported = {**{k: s.get(k, 0) for k in ARENA_COUNTERS}, "gauges": gauges}
+        self._arena_reported = {**{k: s.get(k, 0) for k in keys}, "gauges": gauges}
         data.update(per_rank_gauges(gauges, self._rank))
         return UlaStats(data=data)
 

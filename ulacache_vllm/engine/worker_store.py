@@ -84,6 +84,7 @@ class StoreCounters:
     remote_hits: int = 0
     remote_rows_fetched: int = 0
     remote_bytes_fetched: int = 0
+    failed_copies: int = 0  # tier copies that raised (their requests ended with an error)
 
 
 @dataclass
@@ -517,6 +518,7 @@ class UlaWorkerStore:
         blocks = torch.unique(addrs // self.layout.block_size).tolist()
         self.lost_blocks.update(blocks)
         self.failed_moves += 1
+        self.counters.failed_copies += 1
         self.lost_entries += int(local.numel())
         self._usage_changed = True
         logger.error("ulacache: a row copy failed (%s: %s); %d entries of %d logical blocks "
