@@ -136,7 +136,9 @@ class ArenaWorker:
                                     device=self.v2g.device)
                 grown[:len(self.v2g)] = self.v2g
                 self.v2g = grown
-            self.v2g[torch.from_numpy(plan.vids)] = torch.from_numpy(plan.granules).to(torch.int32)
+            dev = self.v2g.device
+            self.v2g[torch.from_numpy(plan.vids).to(dev)] = torch.from_numpy(
+                plan.granules).to(dev, torch.int32)
         if bad is not None:
             self._lose(plan, bad)
         if len(plan.zero):
