@@ -22,6 +22,7 @@ import sys
 import tempfile
 import textwrap
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,34 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
             f"vLLM script exited {proc.returncode} with {len(results)} results\n"
             f"--- stdout ---\n{_tail(proc.stdout)}\n--- stderr ---\n{_tail(proc.stderr)}")
     return json.loads(results[-1])
+
+
+def run_side_by_side(*calls: Callable[[dict[str, str]], Any]) -> list[Any]:
+    """Run independent single-rank engine runs at the same time; return their results in
+    order. Each call gets the environment entries to add to its engine's (``env=`` of
+    ``run_vllm_script``): a ``VLLM_CPU_OMP_THREADS_BIND`` of its own share of this process's
+    CPUs, the same number for every call. Every call runs to its end; then the first error,
+    if any, is raised. With fewer CPUs than calls they run one after another, unpinned.
+
+    A tiny-model engine process is mostly start-up and shutdown (imports, engine-core and
+    worker spawns and their imports, worker teardown: ~40 s of a ~50 s run), nearly all on
+    one core, and vLLM's automatic binding puts every single-rank engine's compute threads
+    on the same first core (on a 2-core host: one thread on core 0 for each). Disjoint
+    shares keep the compute apart too (2 cores: one thread on core 0, one on core 1, as
+    many threads as the automatic binding there). Greedy decoding does not depend on timing,
+    and runs compared with each other get the same number of threads.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(calls) < 2 or len(cpus) < len(calls):
+        return [c({}) for c in calls]
+    k = len(cpus) // len(calls)
+    binds = [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[i * k:(i + 1) * k]))}
+             for i in range(len(calls))]
+    with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="vllm_script") as pool:
+        futures = [pool.submit(c, bind) for c, bind in zip(calls, binds)]
+    return [f.result() for f in futures]
 
 
 # Keyword arguments every tiny-model LLM needs on the CPU build.

@@ -4,6 +4,7 @@ a small ulacache budget, so rows spill to the host pool)."""
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -12,15 +13,47 @@ pytestmark = pytest.mark.engine  # every test here boots vLLM (twice, through lm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 
+# The comparisons (``consistency.compare`` keyword arguments), by the test that reads each.
+COMPARISONS = {
+    # 8 four-shot prompts of ~340 tokens outgrow the ~2k device slots this budget leaves.
+    "test_lm_eval_consistency_ulacache_vs_stock": dict(
+        limit=8, task="ulacache_arith", num_fewshot=4,
+        ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
+        ref_args="kv_cache_memory_bytes=268435456"),
+    # Multi-LexSum-shaped summarization: six zero-shot prompts need ~5k rows against ~2k
+    # device slots.
+    "test_lm_eval_long_document_summaries_match_through_the_host_tier": dict(
+        limit=6, task="lexsum",
+        ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
+        ref_args="kv_cache_memory_bytes=268435456"),
+}
 
-def test_lm_eval_consistency_ulacache_vs_stock(tiny_model):
+
+@pytest.fixture(scope="module")
+def reports(request, tiny_model):
+    """The comparisons the session selected, run side by side. Each is two lm-eval processes
+    in turn (stock, then ulacache), and a process is almost all start-up and shutdown (imports,
+    engine boot, task building: ~50 s against ~2 s of generation), mostly on one core: two at
+    once use both cores of a small host. Every process gets the same arguments and environment
+    as when run alone, and greedy decoding does not depend on timing. A comparison's error is
+    raised by its own test."""
     from consistency import compare
 
-    model = tiny_model("deepseek_v32")
-    # 8 four-shot prompts of ~340 tokens outgrow the ~2k device slots this budget leaves.
-    rep = compare(str(model), limit=8, task="ulacache_arith", num_fewshot=4,
-                  ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
-                  ref_args="kv_cache_memory_bytes=268435456")
+    model = str(tiny_model("deepseek_v32"))
+    selected = {item.originalname for item in request.session.items}
+    names = [n for n in COMPARISONS if n in selected]
+    pool = ThreadPoolExecutor(max_workers=max(1, len(names)), thread_name_prefix="lm_eval")
+    futures = {n: pool.submit(compare, model, **COMPARISONS[n]) for n in names}
+    yield futures
+    pool.shutdown(wait=True)
+
+
+def _report(reports, name):
+    return reports[name].result()
+
+
+def test_lm_eval_consistency_ulacache_vs_stock(reports):
+    rep = _report(reports, "test_lm_eval_consistency_ulacache_vs_stock")
     # Random weights may stop a generation at once ("\n\n"), but most are real text.
     assert rep["num_docs"] == 8 and rep["nonempty_generations"] >= 4
     assert rep["stock"]["sample_len"] == rep["ulacache"]["sample_len"] == 8
@@ -31,15 +64,10 @@ def test_lm_eval_consistency_ulacache_vs_stock(tiny_model):
     assert rep["generations_identical"], rep
 
 
-def test_lm_eval_long_document_summaries_match_through_the_host_tier(tiny_model):
+def test_lm_eval_long_document_summaries_match_through_the_host_tier(reports):
     """Multi-LexSum-shaped summarization (self-written ~800-token cases, ROUGE through a
     task function): six zero-shot prompts need ~5k rows against ~2k device slots."""
-    from consistency import compare
-
-    model = tiny_model("deepseek_v32")
-    rep = compare(str(model), limit=6, task="lexsum",
-                  ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
-                  ref_args="kv_cache_memory_bytes=268435456")
+    rep = _report(reports, "test_lm_eval_long_document_summaries_match_through_the_host_tier")
     assert rep["task"] in ("ulacache_lexsum", "multi_lexsum") and rep["num_fewshot"] == 0
     assert rep["num_docs"] == 6 and rep["nonempty_generations"] >= 3
     assert {"rouge1,none", "rougeL,none"} <= set(rep["stock"])

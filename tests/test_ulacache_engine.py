@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, host_mla_path,
-                              mla_path_kwargs, run_vllm_script)
+                              mla_path_kwargs, run_side_by_side, run_vllm_script)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -16,12 +16,16 @@ ULA_KV_BYTES = 13_500_000
 ULA_HOST_GIB = 0.0055
 REF_KV_BYTES = 512 << 20
 
-SCRIPT = r"""
+SCRIPT_LLM = r"""
 from vllm import LLM, SamplingParams
 kw = dict(ARGS["kw"])
 llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
           max_num_seqs=8, seed=0, disable_log_stats=False, **kw)
-words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
+"""
+# The workload (``llm`` in scope; ``ARGS["backend"]``): a 24-token run, two of four requests
+# aborted mid-decode, then 200-token outputs for all prompts; leaves ``res``. The TP=2 tests
+# run it after their own workload in the same engine (``TP_SCRIPT``).
+SCRIPT_WORKLOAD = r"""words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
          "omicron pi rho sigma tau upsilon").split()
 prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(60 + 20 * i))
            for i in range(8)]
@@ -45,7 +49,8 @@ res["usage_after_abort"] = usage()
 # Long outputs for all prompts at once: decode growth exceeds the logical capacity.
 res["long"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(200))]
 res["usage_end"] = usage()
-""" + EMIT_WITH_METRICS
+"""
+SCRIPT = SCRIPT_LLM + SCRIPT_WORKLOAD + EMIT_WITH_METRICS
 
 
 def _run(model, backend, path, trace_path=None, env=None, lru=None):
@@ -76,10 +81,13 @@ def runs(request, tiny_model, tmp_path_factory):
     # here are below the small-pool threshold, whose timestamp scan test_model_shapes runs),
     # GLM the exact LRU (`--ula-lru exact_ts`): every victim search meets the real engine.
     env = {"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"}
-    ula = _run(model, "ulacache", path, trace, env, "exact_ts" if name == "glm_dsa" else None)
+    lru = "exact_ts" if name == "glm_dsa" else None
+    ula, ref = run_side_by_side(
+        lambda bind: _run(model, "ulacache", path, trace, {**env, **bind}, lru),
+        lambda bind: _run(model, "vllm", path, env=bind))
     ula["trace_path"] = str(trace)
     ula["path"] = host_mla_path() if path == "host" else path
-    return name, _run(model, "vllm", path), ula
+    return name, ref, ula
 
 
 def test_prompts_exceed_index_topk(runs):
@@ -178,12 +186,14 @@ def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
     writes are the contract's one in-forward assignment), with the round-label PB-LRU's own
     search."""
     model = str(tiny_model("deepseek_v32", num_nextn_predict_layers=1))
-    ref = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900)
-    ula = run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "ulacache", "kv_cache_memory_bytes": 18_000_000,
-        "ula_host_pool_gib": 0.008}}, timeout=900,
-        env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0"})
+    ref, ula = run_side_by_side(
+        lambda bind: run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
+            "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900,
+            env=bind),
+        lambda bind: run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
+            "kv_backend": "ulacache", "kv_cache_memory_bytes": 18_000_000,
+            "ula_host_pool_gib": 0.008}}, timeout=900,
+            env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0", **bind}))
     assert ula["out"] == ref["out"]
     assert set(ula["victim_paths"]) == {"rounds"}, ula["victim_paths"]
     m = ula["metrics"]
@@ -191,57 +201,76 @@ def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
     assert m["vllm:ulacache_promotions"] > 0 and m["vllm:ulacache_demotions"] > 0, m
 
 
+# The TP=2 engines' script. Its own workload first: two short requests (they fit one rank's
+# device pool: TP shard mode keeps replicas), then ~3.3k prompt tokens + 8 x 128 decoded, more
+# than the pools hold; its results go to ``res["tp"]`` (its own metrics and usage included).
+# With ``ARGS["script"]`` the same engine then runs ``SCRIPT_WORKLOAD`` (aborts, preemptions;
+# every pool is empty again in between, so shard mode starts over from replicas).
 TP_SCRIPT = r"""
 from vllm import LLM, SamplingParams
 llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
           max_num_seqs=8, seed=0, tensor_parallel_size=2, disable_log_stats=False, **ARGS["kw"])
+tp_usage = lambda: llm.collective_rpc("ulacache_usage") if ARGS["kw"]["kv_backend"] == "ulacache" else None
+tp_metrics = lambda: {x.name: getattr(x, "value", None) for x in llm.get_metrics()
+                      if x.name.startswith("vllm:ulacache_") or x.name == "vllm:num_preemptions"}
 words = "one two three four five six seven eight nine ten eleven twelve".split()
-# Two short requests first: they fit one rank's device pool (TP shard mode keeps replicas).
 small = llm.generate([" ".join(words[(j * 7 + i) % 12] for j in range(30)) for i in range(2)],
                      SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-small_usage = llm.collective_rpc("ulacache_usage") if ARGS["kw"]["kv_backend"] == "ulacache" else None
+small_usage = tp_usage()
 # ~3.3k prompt tokens + 8 x 128 decoded: more than the ~2.7k-slot device pool holds.
 prompts = [" ".join(words[(i * 5 + j * (i + 2)) % len(words)] for j in range(120 + 40 * i))
            for i in range(8)]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=128, ignore_eos=True))
-m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()
-     if x.name.startswith("vllm:ulacache_")}
-usage = llm.collective_rpc("ulacache_usage") if ARGS["kw"]["kv_backend"] == "ulacache" else None
-emit({"out": [o.outputs[0].token_ids for o in outs], "metrics": m, "usage": usage,
-      "small": [o.outputs[0].token_ids for o in small], "small_usage": small_usage})
-"""
+tp = {"out": [o.outputs[0].token_ids for o in outs], "metrics": tp_metrics(), "usage": tp_usage(),
+      "small": [o.outputs[0].token_ids for o in small], "small_usage": small_usage}
+if not ARGS["script"]:
+    emit({"tp": tp})
+    return
+""" + SCRIPT_WORKLOAD + r"""res["tp"] = tp
+""" + EMIT_WITH_METRICS
 
 
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-# Per-rank KV budget of the shard runs: ~1.2k local device slots per rank (2.4k over both),
-# well below the ~4.3k tokens the run holds at its peak.
-ULA_SHARD_KV_BYTES = 6_500_000
+# Per-rank KV budget of the shard run: ~1.4k local device + ~0.6k host slots per rank (~4k
+# logical tokens over both), below the ~4.3k tokens the TP workload holds at its peak and
+# below SCRIPT_WORKLOAD's long run: demotions, promotions, remote fetches and preemptions.
+ULA_SHARD_KV_BYTES = 7_600_000
+ULA_SHARD_HOST_GIB = 0.0025
 
 
 @pytest.fixture(scope="module")
-def stock_tp2(tiny_model):
-    """Stock vLLM at TP=2 per model (the reference of both TP modes), run once."""
+def tp2(tiny_model):
+    """The TP=2 engine runs of DeepSeek-V3.2, each booted once and only when a test asks:
+    ``"stock"`` (stock vLLM, the reference of both TP modes; both workloads), ``"shard"``
+    (``--ula-tp-mode shard``, the default, under pressure; both workloads) and
+    ``"replicate"`` (``--ula-tp-mode replicate`` under pressure; the TP workload)."""
+    model = str(tiny_model("deepseek_v32"))
+    kws = {
+        "stock": ("vllm", True, {"kv_cache_memory_bytes": REF_KV_BYTES}),
+        "shard": ("ulacache", True, {"kv_cache_memory_bytes": ULA_SHARD_KV_BYTES,
+                                     "ula_host_pool_gib": ULA_SHARD_HOST_GIB,
+                                     "ula_tp_lockstep_check": True}),
+        "replicate": ("ulacache", False, {"kv_cache_memory_bytes": ULA_KV_BYTES,
+                                          "ula_host_pool_gib": ULA_HOST_GIB,
+                                          "ula_tp_mode": "replicate"}),
+    }
     cache = {}
 
-    def get(name):
-        if name not in cache:
-            model = str(tiny_model(name))
-            cache[name] = (model, run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
-                "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900,
-                env=TP_ENV))
-        return cache[name]
+    def get(which):
+        if which not in cache:
+            backend, script, kw = kws[which]
+            cache[which] = run_vllm_script(TP_SCRIPT, args={
+                "model": model, "backend": backend, "script": script,
+                "kw": {"kv_backend": backend, **kw}}, timeout=900, env=TP_ENV)
+        return cache[which]
     return get
 
 
-def test_tensor_parallel_2_replicate_parity_under_pressure(stock_tp2):
+def test_tensor_parallel_2_replicate_parity_under_pressure(tp2):
     """``--ula-tp-mode replicate``: each TP rank keeps its own store of the (replicated, as in
     stock vLLM) MLA rows and makes the same placement decisions; greedy output matches stock
     TP=2 with the host tier in use, and every rank ends with its pools empty."""
-    model, ref = stock_tp2("deepseek_v32")
-    ula = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "ulacache", "kv_cache_memory_bytes": ULA_KV_BYTES,
-        "ula_host_pool_gib": ULA_HOST_GIB, "ula_tp_mode": "replicate"}}, timeout=900,
-        env=TP_ENV)
+    ref, ula = tp2("stock")["tp"], tp2("replicate")["tp"]
     assert ula["out"] == ref["out"]
     m = ula["metrics"]
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
@@ -258,17 +287,12 @@ def test_tensor_parallel_2_replicate_parity_under_pressure(stock_tp2):
 
 # GLM DSA takes the same sharded path (its TP=1 runs are in ``runs``); one model keeps the
 # suite's TP=2 boots down.
-@pytest.mark.parametrize("name", ["deepseek_v32"])
-def test_tensor_parallel_2_shard_parity_under_pressure(stock_tp2, name):
+def test_tensor_parallel_2_shard_parity_under_pressure(tp2):
     """``--ula-tp-mode shard`` (the default): token t's MLA row and indexer key live on rank
     t mod 2 only. Greedy output equals stock TP=2 under pressure; on every rank rows were
     demoted, promoted, fetched from the other rank and served from the remote-row buffer;
     the ranks hold different rows (shards); everything is empty at the end."""
-    model, ref = stock_tp2(name)
-    ula = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "ulacache", "kv_cache_memory_bytes": ULA_SHARD_KV_BYTES,
-        "ula_host_pool_gib": ULA_HOST_GIB, "ula_tp_lockstep_check": True}}, timeout=900,
-        env=TP_ENV)
+    ref, ula = tp2("stock")["tp"], tp2("shard")["tp"]
     assert ula["out"] == ref["out"] and ula["small"] == ref["small"]
     # The short requests ran on replicas (no exchange), the pressure run on shards.
     for u in ula["small_usage"]:
@@ -289,29 +313,25 @@ def test_tensor_parallel_2_shard_parity_under_pressure(stock_tp2, name):
     assert m["vllm:ulacache_promotions"] == sum(u["totals"]["promotions"] for u in ula["usage"])
 
 
-def test_tensor_parallel_2_shard_aborts_and_preemption(stock_tp2, tiny_model):
-    """TP=2 shard mode through the abort and preemption script: aborted requests free their
-    rows on both ranks, survivors and preempted-then-resumed requests equal stock TP=2, and
-    every pool and remote buffer is empty at the end."""
-    model = str(tiny_model("deepseek_v32"))
-    tp = {"tensor_parallel_size": 2}
-    ref = run_vllm_script(SCRIPT, args={"model": model, "backend": "vllm", "kw": {
-        "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES, **tp}}, timeout=900,
-        env=TP_ENV)
-    # ~1.4k device + ~0.6k host slots per rank: ~4k logical tokens, fewer than the long run.
-    ula = run_vllm_script(SCRIPT, args={"model": model, "backend": "ulacache", "kw": {
-        "kv_backend": "ulacache", "kv_cache_memory_bytes": 7_600_000,
-        "ula_host_pool_gib": 0.0025, **tp}}, timeout=900, env=TP_ENV)
+def test_tensor_parallel_2_shard_aborts_and_preemption(tp2):
+    """TP=2 shard mode through the abort and preemption workload (in the same engine, after
+    the parity workload above): aborted requests free their rows on both ranks, survivors and
+    preempted-then-resumed requests equal stock TP=2, and every pool and remote buffer is
+    empty at the end. Counters are taken as increases over the parity workload's, so this
+    workload alone demoted, promoted, fetched remote rows and preempted."""
+    ref, ula = tp2("stock"), tp2("shard")
     assert ula["main"] == ref["main"]
     assert ula["abort_survivors"] == ref["abort_survivors"]
     assert set(ref["abort_survivors"]) == {"a1", "a3"}
-    assert ula["metrics"]["vllm:num_preemptions"] > 0, ula["metrics"]
+    preempted = ula["metrics"]["vllm:num_preemptions"] - \
+        ula["tp"]["metrics"]["vllm:num_preemptions"]
+    assert preempted > 0, (ula["metrics"], ula["tp"]["metrics"])
     assert ula["long"] == ref["long"]
     for key in ("usage_after_abort", "usage_end"):
         assert len(ula[key]) == 2, ula[key]
         for u in ula[key]:
             assert u["tp_mode"] == "shard", u
             assert u["device_used"] == 0 and u["host_used"] == 0 and u["remote_used"] == 0, (key, u)
-    for u in ula["usage_end"]:
-        t = u["totals"]
+    for before, u in zip(ula["tp"]["usage"], ula["usage_end"]):
+        t = {k: u["totals"][k] - before["totals"][k] for k in u["totals"]}
         assert t["demotions"] > 0 and t["promotions"] > 0 and t["remote_rows_fetched"] > 0, t
