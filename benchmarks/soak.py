@@ -21,6 +21,7 @@ aborted during prefill, bursts beyond capacity; checked against a stock `vllm se
     python benchmarks/soak.py --duration 1800    # a longer manual run; writes soak.json
     python benchmarks/soak.py --quick --tp 2     # both servers at --tensor-parallel-size 2
     python benchmarks/soak.py --quick --hybrid gpt_oss   # a hybrid through the arena
+    python benchmarks/soak.py --quick --hybrid gpt_oss --tp 2
 
 Exits 1 when a check fails. Prints a summary table and writes ``soak[_tpP][_quick].json``
 into ``--out`` (default benchmarks/results/).
@@ -215,12 +216,11 @@ def main() -> int:
     if a.hybrid:
         from hybrid_capacity import _model_path
 
-        if a.tp > 1:
-            ap.error("--hybrid runs with --tp 1 here (the engine runs the arena at TP > 1; this "
-                     "benchmark's hybrid settings are not sized for it yet)")
         a.model = a.model or _model_path(a.hybrid)
         if a.device_bytes == ap.get_default("device_bytes"):
-            a.device_bytes = 6 << 20
+            # Per rank: at TP=P each rank's pages hold 1/P of the heads, so the same pressure
+            # takes 1/P of the bytes.
+            a.device_bytes = (6 << 20) // a.tp
     if a.model is None:
         from capacity import _build_default_model
 
