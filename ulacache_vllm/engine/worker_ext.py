@@ -44,7 +44,7 @@ class UlaWorkerExtension:
             "remote_bytes_fetched": t["remote_bytes_fetched"],
             # Row copies that failed in the move path, and the entries they lost (their
             # requests ended with an error).
-            "failed_moves": store.failed_moves,
+            "failed_moves": t["failed_copies"],
             "lost_entries": store.lost_entries,
         }
         pols = [getattr(g.mapping.policy, "inner", g.mapping.policy) for g in store.groups]

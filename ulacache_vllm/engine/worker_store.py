@@ -189,8 +189,8 @@ class UlaWorkerStore:
         self.time_s = {"write": 0.0, "read": 0.0, "copy": 0.0, "begin": 0.0, "exchange": 0.0}
         # Failed moves (see `_apply`): logical blocks whose rows were lost, until the connector
         # reports them; and totals since startup.
+        # (The failed copies themselves are a counter: `failed_copies`.)
         self.lost_blocks: set[int] = set()
-        self.failed_moves = 0
         self.lost_entries = 0
         self.faults = MoveFaults.from_env()  # test-only fault injection; None by default
         self._last_report, self._usage_changed = 0, False
@@ -517,7 +517,6 @@ class UlaWorkerStore:
         addrs = local if self.shard is None else local * self.shard.world + self.shard.rank
         blocks = torch.unique(addrs // self.layout.block_size).tolist()
         self.lost_blocks.update(blocks)
-        self.failed_moves += 1
         self.counters.failed_copies += 1
         self.lost_entries += int(local.numel())
         self._usage_changed = True
