@@ -243,8 +243,8 @@ from vllm import LLM, SamplingParams
 # ~1,750 prompt tokens against a 1024-token step: one prefill continues in the next step
 # from the state its first chunk left (a relayout is forced between the two chunks).
 llm = LLM(model=ARGS["model"], dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-          max_num_batched_tokens=1024, enable_prefix_caching=False, seed=0, max_num_seqs=6,
-          tensor_parallel_size=2, disable_log_stats=False, **ARGS["kw"])
+          max_num_batched_tokens=1024, enable_chunked_prefill=True, enable_prefix_caching=False,
+          seed=0, max_num_seqs=6, tensor_parallel_size=2, disable_log_stats=False, **ARGS["kw"])
 words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
          "omicron pi rho sigma tau upsilon").split()
 prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(30 + 23 * i))
