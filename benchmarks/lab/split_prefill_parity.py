@@ -33,7 +33,8 @@ import json, os, sys
 from vllm import LLM, SamplingParams
 a = json.loads(os.environ["SPLIT_PREFILL_ARGS"])
 llm = LLM(model=a["model"], dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-          max_num_batched_tokens=a["budget"], enable_prefix_caching=False, seed=0,
+          max_num_batched_tokens=a["budget"], enable_chunked_prefill=True,
+          enable_prefix_caching=False, seed=0,
           max_num_seqs=6, tensor_parallel_size=a["tp"], **a["kw"])
 words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
          "omicron pi rho sigma tau upsilon").split()
