@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ulacache_vllm.arena import CopyPlan
-from ulacache_vllm.engine.arena_worker import ArenaWorker
+from ulacache_vllm.engine.arena.worker import ArenaWorker
 
 RESULTS = Path(__file__).parent / "results"
 

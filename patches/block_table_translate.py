@@ -17,7 +17,7 @@ def apply() -> None:
     _, orig = resolve(MODULE, "BlockTable.commit_block_table", HOOK)
 
     def commit_block_table(self, num_reqs: int) -> None:
-        from ulacache_vllm.engine import arena_worker
+        from ulacache_vllm.engine.arena import worker as arena_worker
 
         worker = arena_worker.active()
         if worker is None:

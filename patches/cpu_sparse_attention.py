@@ -15,7 +15,7 @@ from __future__ import annotations
 from ._hook import replace
 
 HOOK = "cpu_sparse_attention"
-BACKEND_PATH = "ulacache_vllm.engine.cpu_sparse_mla.CpuSparseMLABackend"
+BACKEND_PATH = "ulacache_vllm.engine.dsa.cpu_sparse_mla.CpuSparseMLABackend"
 
 
 def apply() -> None:
@@ -26,7 +26,7 @@ def apply() -> None:
     from vllm.platforms.cpu import CpuPlatform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    from ulacache_vllm.engine import cpu_indexer
+    from ulacache_vllm.engine.dsa import cpu_indexer
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     orig_select = CpuPlatform.get_attn_backend_cls.__func__

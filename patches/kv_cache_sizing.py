@@ -2,8 +2,8 @@
 
 Under `--kv-backend ulacache` the block pool becomes a logical address space sized to the
 device pool plus the host pool, and the sparse-MLA rows move out of vLLM's allocation into
-ulacache's own pools (see `ulacache_vllm/engine/sizing.py`); for hybrid models it becomes the
-arena (`ulacache_vllm/engine/arena_sizing.py`). Other backends pass through.
+ulacache's own pools (see `ulacache_vllm/engine/dsa/sizing.py`); for hybrid models it becomes the
+arena (`ulacache_vllm/engine/arena/sizing.py`). Other backends pass through.
 """
 from __future__ import annotations
 
@@ -23,13 +23,13 @@ def apply() -> None:
 
         if ula_config.kv_backend_of(vllm_config) != "ulacache":
             return orig(vllm_config, kv_cache_specs, available_memory)
-        from ulacache_vllm.engine import sizing
+        from ulacache_vllm.engine.dsa import sizing
 
         from vllm.logger import init_logger
 
         settings = ula_config.settings_from_additional_config(vllm_config.additional_config)
         if ula_config.is_arena_config(vllm_config):
-            from ulacache_vllm.engine import arena_sizing
+            from ulacache_vllm.engine.arena import sizing as arena_sizing
 
             configs = arena_sizing.get_kv_cache_configs(vllm_config, kv_cache_specs,
                                                         available_memory, settings)

@@ -21,9 +21,9 @@ def make_store(rank: int, world: int, group, device_slots: int, host_slots: int,
                remote_slots: int, layers=("l.0", "l.1", "l.2"), leaders=("l.0", "l.2"),
                lockstep=True):
     from ulacache_vllm.engine.config import UlaSettings
-    from ulacache_vllm.engine.sizing import UlaLayout
-    from ulacache_vllm.engine.tp_shard import TokenShard, TPExchange
-    from ulacache_vllm.engine.worker_store import UlaWorkerStore
+    from ulacache_vllm.engine.dsa.sizing import UlaLayout
+    from ulacache_vllm.engine.dsa.tp_shard import TokenShard, TPExchange
+    from ulacache_vllm.engine.dsa.store import UlaWorkerStore
 
     n_logical = (device_slots + host_slots) * world
     layout = UlaLayout(block_size=BS, device_slots=device_slots, host_slots=host_slots,
@@ -100,7 +100,7 @@ def skewed_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 def diverging_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Rank 1 issues a different exchange than rank 0: the lockstep check raises on both."""
-    from ulacache_vllm.engine.tp_shard import LockstepError, TokenShard, TPExchange
+    from ulacache_vllm.engine.dsa.tp_shard import LockstepError, TokenShard, TPExchange
 
     group = _init(rank, world, init_file)
     ex = TPExchange(TokenShard(rank, world), group, lockstep_check=True)

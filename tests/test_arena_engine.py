@@ -24,7 +24,7 @@ import pytest
 
 from _vllm_subprocess import ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, run_vllm_script
 
-from ulacache_vllm.engine.move_faults import ENV as FAULTS_ENV
+from ulacache_vllm.engine.faults import ENV as FAULTS_ENV
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -158,7 +158,7 @@ def swa_runs(tiny_model, tmp_path_factory):
         overrides, budget, preempts = SWA_MODELS[name]
         model = tiny_model(name, **overrides)
         env = SWA_ENV[name]
-        # The move-fault control file (`engine/move_faults.py`): the script stalls copies
+        # The move-fault control file (`engine/faults.py`): the script stalls copies
         # during its abort phase; GPT-OSS (the engine core in its own process, as served)
         # also fails two copy steps in a batch of its own.
         faults = tmp_path_factory.mktemp("faults") / "move_faults.json"

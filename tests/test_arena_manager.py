@@ -15,8 +15,8 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
                                         SlidingWindowSpec)
 from vllm.v1.request import Request, RequestStatus
 
-from ulacache_vllm.engine.arena_manager import ArenaKVCacheManager
-from ulacache_vllm.engine.arena_sizing import ArenaGroup, ArenaLayout
+from ulacache_vllm.engine.arena.manager import ArenaKVCacheManager
+from ulacache_vllm.engine.arena.sizing import ArenaGroup, ArenaLayout
 from lab.arena_fuzz import Harness, check_tiling
 
 BS = 32
@@ -109,7 +109,7 @@ def test_sliding_window_pages_go_back_to_the_arena_while_decoding():
 @pytest.fixture(params=["gather", "slices"])
 def executor(request, monkeypatch):
     """The worker's two CPU executors of a step: whole-step index ops, or a slice per range."""
-    import ulacache_vllm.engine.arena_worker as aw
+    import ulacache_vllm.engine.arena.worker as aw
 
     monkeypatch.setattr(aw, "LOOP_MIN_BYTES", 1 << 40 if request.param == "gather" else 0)
     return request.param
@@ -144,7 +144,7 @@ def _run_with_faults(faults, seed: int, steps: int = 36):
     its bytes (checked each step by the engine harness); the requests holding lost pages are
     ended as the scheduler does. Returns (manager, engine, [(step, lost vids, moved vids,
     ended request ids)])."""
-    from ulacache_vllm.engine.move_faults import MoveFaults
+    from ulacache_vllm.engine.faults import MoveFaults
 
     rng = np.random.default_rng(seed)
     mgr = _manager(total_pages=48, force_moves=2)
@@ -212,7 +212,7 @@ def test_bad_bytes_follow_the_copy_chain():
     """The failure path's book of spoiled byte ranges: a failed step spoils its
     destinations; a later step that copies from them spoils its own; a good step that
     overwrites them cleans them; partial overlaps are cut exactly."""
-    from ulacache_vllm.engine.arena_worker import BadBytes
+    from ulacache_vllm.engine.arena.worker import BadBytes
 
     b = BadBytes()
     b.failed([(0, 100, 10)])  # [100, 110) spoiled
@@ -228,8 +228,8 @@ def test_a_page_copied_on_from_a_failed_destination_is_lost(failing, executor):
     """Hand-made plan, pages of 8 bytes: vid 1 goes 0 -> 16 -> 32 over two steps, vid 2
     goes 8 -> 24 in the second. Step ``failing`` raises: vid 1 is lost either way (its chain
     passes through it); vid 2 only if its own step failed; vid 3 (new, zeroed) never."""
-    from ulacache_vllm.engine.arena_worker import ArenaWorker
-    from ulacache_vllm.engine.move_faults import MoveFaults
+    from ulacache_vllm.engine.arena.worker import ArenaWorker
+    from ulacache_vllm.engine.faults import MoveFaults
 
     lay = SimpleNamespace(buffer_bytes=64, alignment=8)
     buf = torch.arange(64, dtype=torch.int8)

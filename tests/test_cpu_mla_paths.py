@@ -74,7 +74,7 @@ def test_dense_mla_runs_the_reference_kernel_when_asked(resolved):
 
 
 def test_ulacache_turns_prefix_caching_off_and_may_lower_a_default_batch(resolved):
-    from ulacache_vllm.engine.sizing import DEFAULTED_KEY
+    from ulacache_vllm.engine.dsa.sizing import DEFAULTED_KEY
 
     amx, ref = resolved["ula_amx"], resolved["ula_reference"]
     assert amx["chunked"] and not amx["prefix"], amx

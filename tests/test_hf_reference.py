@@ -60,7 +60,7 @@ _SCRIPT = """
 import gc
 import time
 from vllm import LLM, SamplingParams
-from ulacache_vllm.engine import cpu_indexer
+from ulacache_vllm.engine.dsa import cpu_indexer
 
 calls = []  # (query positions, selected positions) per indexer call, in call order
 orig = cpu_indexer.select_topk

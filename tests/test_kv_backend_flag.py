@@ -62,8 +62,8 @@ def test_trace_records_a_group_once_per_step_before_resolving():
 
     import torch
 
-    from ulacache_vllm.engine.sizing import UlaLayout
-    from ulacache_vllm.engine.worker_store import UlaWorkerStore
+    from ulacache_vllm.engine.dsa.sizing import UlaLayout
+    from ulacache_vllm.engine.dsa.store import UlaWorkerStore
 
     layers = ["l0", "l1", "l2"]
     layout = UlaLayout(block_size=16, device_slots=64, host_slots=64, num_logical=128,

@@ -12,7 +12,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.request import Request
 
-from ulacache_vllm.engine.kv_cache_manager import UlaKVCacheManager
+from ulacache_vllm.engine.dsa.manager import UlaKVCacheManager
 
 BS = 16
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from ulacache_vllm.engine.move_faults import ENV as FAULTS_ENV
+from ulacache_vllm.engine.faults import ENV as FAULTS_ENV
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -84,7 +84,7 @@ def serve(model, log: Path, extra_args: list[str], timeout: float = 300, env_ext
 def server(tiny_model, tmp_path_factory):
     model = tiny_model("deepseek_v32")
     log = tmp_path_factory.mktemp("serve") / "serve.log"
-    # The move-fault control file (`engine/move_faults.py`): absent, so no faults, until a
+    # The move-fault control file (`engine/faults.py`): absent, so no faults, until a
     # test writes one.
     with serve(model, log, [], env_extra={FAULTS_ENV: str(_faults_file(log))}) as base:
         yield base, str(model), log

@@ -9,7 +9,7 @@ import torch
 from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
 from ulacache_vllm.engine.config import KVBackendError, UlaSettings
-from ulacache_vllm.engine.sizing import DEFAULTED_KEY, apply_batch_tokens, plan_layout
+from ulacache_vllm.engine.dsa.sizing import DEFAULTED_KEY, apply_batch_tokens, plan_layout
 
 BS = 16
 

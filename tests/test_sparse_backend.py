@@ -25,13 +25,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from ulacache_vllm.engine import cpu_indexer, sparse_math
-from ulacache_vllm.engine.cpu_sparse_mla import (
+from ulacache_vllm.engine.dsa import cpu_indexer, sparse_math
+from ulacache_vllm.engine.dsa.cpu_sparse_mla import (
     CpuSparseMLAImpl,
     CpuSparseMLAMetadata,
     flat_rows,
 )
-from ulacache_vllm.engine.kv_translation import positions_to_slots, slots_to_rows
+from ulacache_vllm.engine.dsa.kv_translation import positions_to_slots, slots_to_rows
 
 REPO = Path(__file__).resolve().parents[1]
 E2E_SCRIPT = REPO / "tests" / "scripts" / "sparse_e2e.py"

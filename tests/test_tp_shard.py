@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ulacache_vllm.engine.cpu_indexer import select_topk
-from ulacache_vllm.engine.topk import (
+from ulacache_vllm.engine.dsa.cpu_indexer import select_topk
+from ulacache_vllm.engine.dsa.topk import (
     canonical_topk,
     local_candidates,
     merge_candidates,

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ulacache_vllm.engine.config import UlaSettings
-from ulacache_vllm.engine.sizing import UlaLayout
+from ulacache_vllm.engine.dsa.sizing import UlaLayout
 from ulacache_vllm.engine.wiring import LRU_CHOICES
-from ulacache_vllm.engine.worker_store import UlaWorkerStore
+from ulacache_vllm.engine.dsa.store import UlaWorkerStore
 
 HEAD = 8
 BS = 16
@@ -173,7 +173,7 @@ def test_a_selection_larger_than_the_device_pool_is_read_exactly_and_settled_in_
 
 
 def test_impl_without_a_translator_raises():
-    from ulacache_vllm.engine.cpu_sparse_mla import CpuSparseMLAImpl
+    from ulacache_vllm.engine.dsa.cpu_sparse_mla import CpuSparseMLAImpl
 
     impl = SimpleNamespace(translator=None, layer_name="model.layers.3.self_attn.attn")
     with pytest.raises(RuntimeError, match="layers.3.*no KV translator"):
@@ -218,7 +218,7 @@ def test_a_failed_demotion_drops_only_its_victims_and_reports_their_blocks():
     reported for the scheduler to fail their requests; this step's new rows are assigned
     again and written; every other entry still reads exactly; the tables stay consistent and
     the store keeps working once the lost blocks are freed."""
-    from ulacache_vllm.engine.move_faults import MoveFaults
+    from ulacache_vllm.engine.faults import MoveFaults
 
     store, mods = make_store(device_slots=64, host_slots=512, layers=("l.0",), leaders=("l.0",))
     live = _fill(store, mods, steps=5)
@@ -255,7 +255,7 @@ def test_a_failed_settle_drops_the_plan_and_reports_it(move):
     """A copy that raises while the previous step's host reads are promoted (the settle
     path: promotions and the demotions making room for them): the plan's entries are dropped
     and reported, the rest reads exactly, and the next settle works."""
-    from ulacache_vllm.engine.move_faults import MoveFaults
+    from ulacache_vllm.engine.faults import MoveFaults
 
     store, mods = make_store(device_slots=64, host_slots=512)
     live = _fill(store, mods)
@@ -284,7 +284,7 @@ def test_a_failed_settle_drops_the_plan_and_reports_it(move):
 
 def test_a_stalled_copy_delays_the_step_and_changes_nothing(monkeypatch):
     """Stalled copies (every move sleeps) take longer and read the same rows."""
-    import ulacache_vllm.engine.move_faults as mf
+    import ulacache_vllm.engine.faults as mf
 
     slept = []
     monkeypatch.setattr(mf.time, "sleep", slept.append)
@@ -301,7 +301,7 @@ def test_a_stalled_copy_delays_the_step_and_changes_nothing(monkeypatch):
 
 
 def test_move_faults_are_off_by_default_and_armed_from_the_control_file(tmp_path, monkeypatch):
-    from ulacache_vllm.engine.move_faults import ENV, MoveFaultError, MoveFaults
+    from ulacache_vllm.engine.faults import ENV, MoveFaultError, MoveFaults
 
     monkeypatch.delenv(ENV, raising=False)
     assert MoveFaults.from_env() is None

@@ -62,8 +62,8 @@ def specs():
 def manager(total_bytes: int, force_moves: int = 0):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    from ulacache_vllm.engine.arena_manager import ArenaKVCacheManager
-    from ulacache_vllm.engine.arena_sizing import ArenaGroup, ArenaLayout
+    from ulacache_vllm.engine.arena.manager import ArenaKVCacheManager
+    from ulacache_vllm.engine.arena.sizing import ArenaGroup, ArenaLayout
 
     sp = specs()
     bands = {"sliding": "low", "full": "high", "state": "low"}
@@ -84,7 +84,7 @@ def manager(total_bytes: int, force_moves: int = 0):
 
 
 def worker(mgr):
-    from ulacache_vllm.engine.arena_worker import ArenaWorker
+    from ulacache_vllm.engine.arena.worker import ArenaWorker
 
     buf = torch.zeros(mgr.layout.buffer_bytes, dtype=torch.int8)
     return ArenaWorker(mgr.layout, {n: buf for g in mgr.layout.groups for n in g.layer_names})
@@ -195,7 +195,7 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
-    from ulacache_vllm.engine.move_faults import MoveFaults
+    from ulacache_vllm.engine.faults import MoveFaults
 
     rng = random.Random(seed)
     page = specs()["full"][1].page_size_bytes

@@ -43,7 +43,7 @@ def _manager(num_blocks: int, device_blocks: int):
     from vllm.v1.core.kv_cache_utils import init_none_hash
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    from ulacache_vllm.engine.kv_cache_manager import UlaKVCacheManager
+    from ulacache_vllm.engine.dsa.manager import UlaKVCacheManager
 
     init_none_hash(sha256)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
@@ -56,8 +56,8 @@ def _manager(num_blocks: int, device_blocks: int):
 
 def _store(num_blocks: int, device_blocks: int):
     from ulacache_vllm.engine.config import UlaSettings
-    from ulacache_vllm.engine.sizing import UlaLayout
-    from ulacache_vllm.engine.worker_store import UlaWorkerStore
+    from ulacache_vllm.engine.dsa.sizing import UlaLayout
+    from ulacache_vllm.engine.dsa.store import UlaWorkerStore
 
     layers = ["l.0"]
     host_blocks = num_blocks - device_blocks

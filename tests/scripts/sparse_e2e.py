@@ -78,7 +78,7 @@ class SelectStats:
 
 
 def install_hooks(stats: SelectStats) -> None:
-    from ulacache_vllm.engine import cpu_indexer, cpu_sparse_mla
+    from ulacache_vllm.engine.dsa import cpu_indexer, cpu_sparse_mla
 
     orig_select = cpu_indexer.select_topk
     orig_attn = cpu_sparse_mla.sparse_mla_attention

@@ -168,7 +168,7 @@ ENV_KNOBS = {
     "pick victims by one timestamp top-k (exact LRU; cheaper for small pools).",
     "ULACACHE_TEST_MOVE_FAULTS": "testing only: a JSON file that makes the worker's copies "
     "raise or stall: tier row copies (DSA) and arena page moves (hybrid models) "
-    "(`ulacache_vllm/engine/move_faults.py`). A failed copy ends the requests whose KV it "
+    "(`ulacache_vllm/engine/faults.py`). A failed copy ends the requests whose KV it "
     "lost with an error; the others are unaffected.",
 }
 

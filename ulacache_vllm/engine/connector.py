@@ -79,12 +79,12 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------------------- worker
     def register_kv_caches(self, kv_caches: dict) -> None:
-        from .worker_store import UlaWorkerStore
+        from .dsa.store import UlaWorkerStore
 
         arena = getattr(self._kv_cache_config, "ulacache_arena", None)
         if arena is not None:
-            from .arena_worker import ArenaWorker
-            from .move_faults import MoveFaults
+            from .arena.worker import ArenaWorker
+            from .faults import MoveFaults
 
             self.arena = ArenaWorker(arena, kv_caches, MoveFaults.from_env())
             self._rank = _tp_rank()
@@ -104,7 +104,7 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
         if layout.shards > 1:
             from vllm.distributed import parallel_state as ps
 
-            from .tp_shard import TokenShard, TPExchange
+            from .dsa.tp_shard import TokenShard, TPExchange
 
             tp = ps.get_tp_group()
             if tp.world_size != layout.shards:

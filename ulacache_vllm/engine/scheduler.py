@@ -18,7 +18,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ulacache_vllm.patches.scheduler_manager import use_manager
 
-from .kv_cache_manager import UlaKVCacheManager
+from .dsa.manager import UlaKVCacheManager
 
 logger = init_logger("vllm.ulacache.scheduler")
 # vLLM's hook for connector-reported lost blocks (overridden below for the arena).
@@ -30,7 +30,7 @@ if not callable(getattr(Scheduler, "_handle_invalid_blocks", None)):
 def _manager_cls(args, kwargs):
     cfg = kwargs.get("kv_cache_config", args[1] if len(args) > 1 else None)
     if getattr(cfg, "ulacache_arena", None) is not None:
-        from .arena_manager import ArenaKVCacheManager
+        from .arena.manager import ArenaKVCacheManager
 
         return ArenaKVCacheManager
     return UlaKVCacheManager

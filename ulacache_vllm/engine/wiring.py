@@ -49,7 +49,7 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
                     "the host tier are not promoted on a hit yet)")
     engine_args.enable_prefix_caching = False
     if engine_args.max_num_batched_tokens is None:
-        from .sizing import DEFAULTED_KEY
+        from .dsa.sizing import DEFAULTED_KEY
 
         # Left to vLLM's default: the engine core may lower it to what the device pool holds
         # (sizing.plan_layout) instead of refusing to start.
@@ -173,7 +173,7 @@ def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
     hold one request of max_model_len; the engine core re-checks with the exact layer specs."""
     import torch
 
-    from .sizing import check_host_capacity, host_tokens_of
+    from .dsa.sizing import check_host_capacity, host_tokens_of
 
     mc = vllm_config.model_config
     text = mc.hf_text_config

@@ -32,7 +32,7 @@ def parser() -> argparse.ArgumentParser:
         description="Concurrent requests of one length that fit a cluster: stock vLLM, "
                     "HiSparse (host copy per rank; vLLM 0.32's shared host pool), ulacache "
                     "(DP engines; TP shard). Computed with the engine's own sizing code "
-                    "(ulacache_vllm.engine.sizing.plan_layout) and vLLM's.")
+                    "(ulacache_vllm.engine.dsa.sizing.plan_layout) and vLLM's.")
     p.add_argument("model", help=f"a preset ({', '.join(MODEL_PRESETS)}), a config.json, "
                                  f"or a model directory")
     c = p.add_argument_group("cluster")

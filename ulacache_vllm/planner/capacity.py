@@ -167,7 +167,7 @@ def vllm_config(model: ModelShape, cluster: Cluster, request_tokens: int, *,
                 layout: str = "LBHNC", hisparse: bool = False, mamba_cache_mode: str = "none"):
     """The fields of `VllmConfig` that vLLM's sizing functions and `plan_layout` read, for one
     engine of ``cluster`` serving requests of ``request_tokens`` (= max_model_len)."""
-    from ulacache_vllm.engine.sizing import DEFAULTED_KEY
+    from ulacache_vllm.engine.dsa.sizing import DEFAULTED_KEY
 
     hf = SimpleNamespace(**model.config)
     hisparse_config = None
@@ -304,7 +304,7 @@ def ulacache_row(plan: Plan, specs: dict, tp_mode: str, host_pool_gib: float | N
     scheduler's step budget unchanged: every host token keeps its indexer key on the device,
     so a larger pool leaves the device pool too small for one step (plan_layout decides each
     probe)."""
-    from ulacache_vllm.engine import sizing
+    from ulacache_vllm.engine.dsa import sizing
     from ulacache_vllm.engine.config import KVBackendError, UlaSettings
 
     cl = plan.cluster
@@ -377,7 +377,7 @@ def arena_row(plan: Plan) -> Row:
     engine makes at startup, on the specs the engine builds under `--kv-backend ulacache`
     (`model.arena_specs`) and this budget; requests = the layout's `max_requests` (requests of
     max_model_len = the request length), the figure the engine logs at startup."""
-    from ulacache_vllm.engine import arena_sizing
+    from ulacache_vllm.engine.arena import sizing as arena_sizing
     from ulacache_vllm.engine.config import KVBackendError, UlaSettings
 
     cl, L = plan.cluster, plan.request_tokens
@@ -511,7 +511,7 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
         out.append(f"attention KV per token per layer per rank: {tok} B ({p.kv_dtype}; "
                    f"{heads} KV heads over TP {cl.tp}: {max(1, heads // cl.tp)} per rank"
                    + (f", replicated {cl.tp // heads}x" if cl.tp > heads else "") + ")")
-        from ulacache_vllm.engine import arena_sizing
+        from ulacache_vllm.engine.arena import sizing as arena_sizing
         from ulacache_vllm.engine.wiring import ARENA_BLOCK_SIZE
 
         arena = (f"ulacache arena: engine.arena_sizing.plan_arena (the engine's startup "

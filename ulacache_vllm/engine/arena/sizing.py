@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .config import KVBackendError, UlaSettings, reported_to_front_end
+from ..config import KVBackendError, UlaSettings, reported_to_front_end
 
 MIN_ALIGNMENT = 256
 # Granules are vLLM block ids (int32 in its block tables) and the views' dim 0 (strided views
@@ -118,7 +118,7 @@ def _kind_of(spec) -> tuple[str, str]:
 
 def group_specs(specs: dict) -> list[tuple[list[str], object]]:
     """Layers grouped by spec equality, in layer order of each group's first layer."""
-    from .sizing import _layer_index
+    from ..dsa.sizing import _layer_index
 
     groups: list[tuple[list[str], object]] = []
     for name in sorted(specs, key=_layer_index):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import KVBackendError, UlaSettings, reported_to_front_end
+from ..config import KVBackendError, UlaSettings, reported_to_front_end
 
 GIB = 1 << 30
 

@@ -24,7 +24,7 @@ import logging
 import numpy as np
 import torch
 
-from .move_faults import MoveFaults
+from ..faults import MoveFaults
 
 logger = logging.getLogger("vllm.ulacache.arena_worker")
 LOOP_MIN_BYTES = 16 << 10  # CPU: ranges this large on average are copied slice by slice

@@ -59,9 +59,9 @@ from ulacache_vllm.core.pools import CapacityError
 from ulacache_vllm.core.remote_buffer import RemoteRowBuffer
 from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 
-from .config import UlaSettings
+from ..config import UlaSettings
 from .kv_translation import KVTranslator
-from .move_faults import MoveFaults
+from ..faults import MoveFaults
 from .sizing import UlaLayout
 from .tp_shard import IndexerShard, TokenShard, TPExchange
 

@@ -266,7 +266,7 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
 def _under_ulacache() -> bool:
     from vllm.config import get_current_vllm_config
 
-    from .config import kv_backend_of
+    from ..config import kv_backend_of
 
     try:
         return kv_backend_of(get_current_vllm_config()) == "ulacache"
