@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from ulacache_vllm.engine.arena import sizing as arena_sizing, sizing
+from ulacache_vllm.engine.arena import sizing as arena_sizing
+from ulacache_vllm.engine.dsa import sizing
 from ulacache_vllm.engine.config import KVBackendError, UlaSettings
 from ulacache_vllm.planner import PlannerError, load_model, make_cluster, plan
 from ulacache_vllm.planner.__main__ import main
