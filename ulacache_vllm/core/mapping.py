@@ -372,6 +372,18 @@ class TieredMapping:
         """End of a scheduling round: the policy's ring advances."""
         self.policy.advance_round()
 
+    def locate(self, addrs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(device_slots, host_slots)`` of addresses through the committed table, each shaped
+        like ``addrs``: -1 where the entry is not on that tier, unmapped, or padding (-1).
+        Fixed-shape tensor ops, no host read: what the forward's resolve runs."""
+        loc = self.visible.index_select(0, addrs.reshape(-1).clamp(min=0)).view_as(addrs)
+        loc = torch.where(addrs >= 0, loc, torch.full_like(loc, -1))
+        tier = loc >> SLOT_BITS
+        slot = loc & SLOT_MASK
+        neg = torch.full_like(slot, -1)
+        return (torch.where((loc >= 0) & (tier == DEVICE), slot, neg),
+                torch.where((loc >= 0) & (tier == HOST), slot, neg))
+
     def resolve(self, addrs: torch.Tensor) -> torch.Tensor:
         """Public packed locations of the committed table (see ``unpack``)."""
         addrs, shape = as_addresses(addrs, self.device, self.num_logical, "resolve")

@@ -1,51 +1,33 @@
-"""Placement of logical addresses on ranks: DP (every entry local) or TP (``t`` on rank ``t % P``).
+"""Token placement under TP shard mode: logical address ``a`` lives on rank ``a % P`` only,
+at local address ``a // P`` (the one implementation of the rule; the engine's store, indexer
+and exchange all use it). -1 (padding) is never owned.
 
-A rank's mapping table is indexed by the *local index* ``t // P`` of the entries it owns.
+With ``block_size % P == 0`` the rank of a token is its position mod P and a block holds
+``block_size / P`` local rows per rank, so one block table serves every rank.
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-MAX_WORLD = 1 << 16  # public packed locations: tier << 48 | rank << 32 | slot
-
 
 @dataclass(frozen=True)
-class Placement:
-    kind: str = "dp"  # "dp" | "tp"
-    rank: int = 0
-    world_size: int = 1
+class TokenShard:
+    rank: int
+    world: int
 
     def __post_init__(self):
-        if self.kind not in ("dp", "tp"):
-            raise ValueError(f"placement must be 'dp' or 'tp', got {self.kind!r}")
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside world of {self.world_size}")
-        if self.world_size > MAX_WORLD:  # packed locations carry the rank in 16 bits
-            raise ValueError(f"world_size {self.world_size} > {MAX_WORLD} ranks")
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank {self.rank} outside a world of {self.world}")
 
-    @property
-    def stride(self) -> int:
-        """P in TP mode; 1 in DP mode (each DP rank owns its whole address space)."""
-        return self.world_size if self.kind == "tp" else 1
+    def owned(self, addrs: torch.Tensor) -> torch.Tensor:
+        return (addrs >= 0) & (addrs % self.world == self.rank)
 
-    @property
-    def owner_rank(self) -> int:
-        return self.rank if self.kind == "tp" else 0
+    def local(self, addrs: torch.Tensor) -> torch.Tensor:
+        """Local address of owned entries, -1 elsewhere."""
+        return torch.where(self.owned(addrs), addrs // self.world, torch.full_like(addrs, -1))
 
-    def num_local(self, num_logical: int) -> int:
-        P = self.stride
-        return (num_logical - self.owner_rank + P - 1) // P if P > 1 else num_logical
-
-    def owner(self, addrs: torch.Tensor) -> torch.Tensor:
-        return addrs % self.stride if self.kind == "tp" else torch.full_like(addrs, self.rank)
-
-    def local(self, addrs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(is_local_mask, local_index)``; -1 padding is never local."""
-        P = self.stride
-        valid = addrs >= 0
-        if P == 1:
-            return valid, addrs
-        return valid & (addrs % P == self.rank), addrs // P
+    def local_count(self, n: int) -> int:
+        """How many of positions 0..n-1 this rank owns."""
+        return max(0, (n - self.rank + self.world - 1) // self.world)

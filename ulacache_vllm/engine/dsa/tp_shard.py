@@ -1,9 +1,7 @@
 """TP `shard` mode: MLA rows and indexer keys sharded by token across tensor-parallel ranks.
 
 Logical address ``a`` (vLLM's slot: ``block * block_size + offset``) lives on rank ``a % P``
-only, at local address ``a // P``; with ``block_size % P == 0`` the rank of a token is its
-position mod P and a block holds ``block_size / P`` local rows per rank, so one block table
-serves every rank.
+only (`ulacache_vllm.core.placement.TokenShard`).
 
 `TPExchange` is the only place ranks talk to each other, over the TP group vLLM built
 (shared memory for small payloads, its gloo ``cpu_group`` otherwise). Every rank issues the
@@ -22,22 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class TokenShard:
-    rank: int
-    world: int
-
-    def owned(self, addrs: torch.Tensor) -> torch.Tensor:
-        return (addrs >= 0) & (addrs % self.world == self.rank)
-
-    def local(self, addrs: torch.Tensor) -> torch.Tensor:
-        """Local address of owned entries, -1 elsewhere."""
-        return torch.where(self.owned(addrs), addrs // self.world, torch.full_like(addrs, -1))
-
-    def local_count(self, n: int) -> int:
-        """How many of positions 0..n-1 this rank owns."""
-        return max(0, (n - self.rank + self.world - 1) // self.world)
+from ulacache_vllm.core.placement import TokenShard
 
 
 class LockstepError(RuntimeError):
