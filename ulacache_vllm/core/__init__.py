@@ -1,15 +1,14 @@
-"""Engine-free core: logical address space, tiered slot pools, PB-LRU, exact LRU, the TP remote-row buffer (no vLLM import)."""
+"""Engine-free core: tiered mapping tables, slot pools, PB-LRU and an exact LRU, token placement
+for TP shard mode, the TP remote-row buffer (no vLLM import)."""
 
 from .exact_lru import TimestampLRU
-from .mapping import DEVICE, HOST, REMOTE, STAGING, MappingStats, MovePlan, TieredMapping, unpack
+from .mapping import DEVICE, HOST, STAGING, MappingStats, MovePlan, TieredMapping
 from .pblru import PBLRU
-from .placement import Placement
+from .placement import TokenShard
 from .pools import CapacityError, SlotPool
 from .remote_buffer import RemoteBufferStats, RemoteRowBuffer
 
 __all__ = [
-    "TimestampLRU", "DEVICE", "HOST",
-    "REMOTE", "STAGING", "MappingStats", "MovePlan", "TieredMapping", "unpack",
-    "PBLRU", "Placement", "CapacityError", "SlotPool",
-    "RemoteBufferStats", "RemoteRowBuffer",
+    "TimestampLRU", "DEVICE", "HOST", "STAGING", "MappingStats", "MovePlan", "TieredMapping",
+    "PBLRU", "TokenShard", "CapacityError", "SlotPool", "RemoteBufferStats", "RemoteRowBuffer",
 ]

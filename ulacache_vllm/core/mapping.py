@@ -1,4 +1,4 @@
-"""Tiered mapping table of one layer group: logical address -> (tier, rank, slot).
+"""Tiered mapping table of one layer group: address -> (tier, slot).
 
 Exclusive residency: a live entry is in exactly one of the device pool or the host pool. One
 shared device pool serves every request (no quota); an eviction policy (PB-LRU or an exact LRU)
@@ -17,8 +17,9 @@ A ``copy_fn`` that raises may have overwritten some of the plan's rows without w
 new places: ``apply`` then drops the plan's entries (unmapped in both tables, their slots back
 in the pools, counted in ``stats.lost``) and re-raises; other entries are untouched.
 
-Internal table values: -1 unmapped, else ``tier << 32 | slot``. Public packed locations
-(``resolve``): ``tier << 48 | rank << 32 | slot``, -1 for padding/unmapped; see ``unpack``.
+Addresses are the rank's own (under TP shard mode the engine maps logical address ``a`` to
+``a // P`` first: `placement.TokenShard`); -1 is padding. Table values: -1 unmapped, else
+``tier << 32 | slot``; readers go through ``locate`` (device and host slots).
 """
 
 from __future__ import annotations
@@ -33,26 +34,17 @@ from ulacache_vllm import kernels as K
 from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 
 from .addresses import UniqueAddresses, as_addresses
-from .placement import Placement
 from .policies import POLICIES, PolicyFactory, make_policy  # noqa: F401  (re-exported)
 from .policy import EvictionPolicy
 from .pools import CapacityError, SlotPool
 
-DEVICE, HOST, REMOTE = 0, 1, 3  # (the kernels pack REMOTE as 3; tier 2 is unused)
+DEVICE, HOST = 0, 1
 STAGING = 4  # copy_fn tier: engine-provided scratch rows, indices 0..plan.num_staged-1
 
 # copy_fn(src_tier, src_slots, dst_tier, dst_slots): rows of every layer of the group; the copy
 # is complete, or ordered before every later read (one in-order stream), when it returns.
 CopyFn = Callable[[int, torch.Tensor, int, torch.Tensor], object]
 
-
-def unpack(packed: torch.Tensor):
-    """Public packed location -> ``(tier, rank, slot)``; all -1 for -1, slot -1 if not local."""
-    neg = packed < 0
-    tier = torch.where(neg, -1, packed >> 48)
-    rank = torch.where(neg, -1, (packed >> 32) & 0xFFFF)
-    slot = torch.where(neg | (tier >= REMOTE), -1, packed & SLOT_MASK)
-    return tier, rank, slot
 
 
 @dataclass
@@ -136,16 +128,15 @@ class _TimedPolicy(EvictionPolicy):
 
 class TieredMapping:
     def __init__(self, num_logical: int, device_slots: int, host_slots: int, *,
-                 device: torch.device | str = "cpu", rank: int = 0, world_size: int = 1,
-                 placement: str = "dp", lru: str | PolicyFactory = "pblru", ring_size: int = 8,
+                 device: torch.device | str = "cpu", lru: str | PolicyFactory = "pblru",
+                 ring_size: int = 8,
                  profile: bool = False):
         if max(device_slots, host_slots) >= 1 << SLOT_BITS:
             raise ValueError("pools are limited to 2**32 slots")
         self.device = torch.device(device)
-        self.placement = Placement(placement, rank, world_size)
         self.num_logical = num_logical
         # At least one row: a TP rank may own no address, and lookups gather a clamped index.
-        n = max(1, self.placement.num_local(num_logical))
+        n = max(1, num_logical)
         self.loc = torch.full((n,), -1, dtype=torch.int64, device=self.device)      # planned
         self.visible = torch.full((n,), -1, dtype=torch.int64, device=self.device)  # committed
         self._unique = UniqueAddresses(n, self.device)
@@ -176,7 +167,7 @@ class TieredMapping:
     def _local_unique(self, addrs: torch.Tensor):
         """``(is_local, local_idx, unique_local_idx)`` of flat ``_addrs`` output; dedup in
         O(n) via a claim table."""
-        is_local, idx = self.placement.local(addrs)
+        is_local, idx = addrs >= 0, addrs
         return is_local, idx, self._unique(idx.masked_select(is_local))
 
     def _slots_out(self, is_local, idx, shape) -> torch.Tensor:
@@ -304,7 +295,7 @@ class TieredMapping:
             raise ValueError(f"adopt: {addrs.numel()} addresses but {slots.numel()} slots")
         if slots.numel() and not (0 <= int(slots.min()) and int(slots.max()) < self.dev.num_slots):
             raise ValueError(f"adopt: device slots must lie in [0, {self.dev.num_slots})")
-        is_local, idx = self.placement.local(addrs)
+        is_local, idx = addrs >= 0, addrs
         if not bool(is_local.all()):
             raise ValueError("adopt: every address must be local and valid")
         if bool((self.loc.index_select(0, idx) >= 0).any()):
@@ -383,12 +374,6 @@ class TieredMapping:
         neg = torch.full_like(slot, -1)
         return (torch.where((loc >= 0) & (tier == DEVICE), slot, neg),
                 torch.where((loc >= 0) & (tier == HOST), slot, neg))
-
-    def resolve(self, addrs: torch.Tensor) -> torch.Tensor:
-        """Public packed locations of the committed table (see ``unpack``)."""
-        addrs, shape = as_addresses(addrs, self.device, self.num_logical, "resolve")
-        pl = self.placement
-        return K.translate(addrs, self.visible, pl.owner_rank, pl.stride, pl.rank).reshape(shape)
 
     def apply(self, plan: MovePlan, copy_fn: CopyFn) -> MovePlan:
         """Copy the plan's rows with ``copy_fn(src_tier, src_slots, dst_tier, dst_slots)``
