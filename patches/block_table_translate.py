@@ -1,9 +1,11 @@
 """Hook: `BlockTable.commit_block_table` (v1/worker/block_table.py).
 
-Under the arena (hybrid models with `--kv-backend ulacache`) block tables hold virtual page
-ids; committing a table (vLLM does it before computing slot mappings and building attention
-and mamba metadata) writes their granules (physical page positions) into the table's device
-tensor instead of copying the ids. Without an active arena in the process, vLLM's own copy runs.
+Under `--kv-backend ulacache` the product line's worker may commit vLLM's block tables itself
+(`LineWorker.commit_block_table`): the arena's block tables hold virtual page ids, and
+committing one (vLLM does it before computing slot mappings and building attention and mamba
+metadata) writes their granules (physical page positions) into the table's device tensor
+instead of copying the ids. The worker is found through vLLM's own KV transfer group (the
+ulacache connector); without it, or when the line declines, vLLM's own copy runs.
 """
 from __future__ import annotations
 
@@ -17,11 +19,10 @@ def apply() -> None:
     _, orig = resolve(MODULE, "BlockTable.commit_block_table", HOOK)
 
     def commit_block_table(self, num_reqs: int) -> None:
-        from ulacache_vllm.engine.arena import worker as arena_worker
+        from ulacache_vllm.engine.connector import ula_connector
 
-        worker = arena_worker.active()
-        if worker is None:
-            return orig(self, num_reqs)
-        worker.translate(self, num_reqs)
+        conn = ula_connector()
+        if conn is None or not conn.worker.commit_block_table(self, num_reqs):
+            orig(self, num_reqs)
 
     replace(MODULE, "BlockTable.commit_block_table", commit_block_table, HOOK)

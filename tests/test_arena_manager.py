@@ -17,6 +17,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from ulacache_vllm.engine.arena.manager import ArenaKVCacheManager
 from ulacache_vllm.engine.arena.sizing import ArenaGroup, ArenaLayout
+from ulacache_vllm.engine.line import UlaKVCacheConfig
 from lab.arena_fuzz import Harness, check_tiling
 
 BS = 32
@@ -40,7 +41,7 @@ def _manager(total_pages: int, force_moves: int = 0) -> ArenaKVCacheManager:
     cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["l0"], SWA),
                                          KVCacheGroupSpec(["l1"], FULL)])
-    cfg.ulacache_arena = layout
+    cfg = UlaKVCacheConfig.of(cfg, layout)
     return ArenaKVCacheManager(cfg, max_model_len=MAX_LEN, scheduler_block_size=BS,
                                hash_block_size=BS, enable_caching=False, max_in_flight_tokens=BS)
 
@@ -163,7 +164,7 @@ def _run_with_faults(faults, seed: int, steps: int = 36):
         if eng.lost:
             new = set(mgr.arena.p2v(plan.zero[:, 0]).tolist())
             moved = set(plan.vids.tolist()) - new
-            ended = mgr.requests_holding(eng.lost, live)
+            ended = mgr.lost_block_owners(eng.lost, live)
             for r in [r for r in live if r.request_id in ended]:
                 eng.free(r)
                 live.remove(r)
@@ -245,7 +246,6 @@ def test_a_page_copied_on_from_a_failed_destination_is_lost(failing, executor):
         assert buf[24:32].tolist() == list(range(8, 16))  # vid 2 moved intact
     assert w.counters["failed_copy_steps"] == 1
     assert w.v2g[1:4].tolist() == [4, 3, 5] and not buf[40:48].any()
-    w.close()
 
 
 def test_a_page_placed_in_a_step_in_flight_is_not_moved():
@@ -257,12 +257,12 @@ def test_a_page_placed_in_a_step_in_flight_is_not_moved():
     mgr.new_step_starts()
     c = _request("c", BS)
     assert mgr.allocate_slots(c, c.num_tokens) is not None
-    plan = mgr.take_step_plan()  # c's pages fenced until step_processed
+    plan = mgr.take_step()  # c's pages fenced until step_processed
     c_vids = {v for ids in mgr.get_block_ids("c") for v in ids}
     before = mgr.arena.v2p(sorted(c_vids))
     mgr.arena.relayout()
     assert (mgr.arena.v2p(sorted(c_vids)) == before).all()
-    mgr.step_processed(plan.seq)
+    mgr.step_processed(plan)
     assert not [f for f in mgr.arena.ledger.open_fences() if f.label != "null page"]
 
 
@@ -280,12 +280,12 @@ def test_block_table_translation_writes_granules_and_keeps_vids():
     assert table.block_table.gpu[0, :len(vids)].tolist() == want.tolist()
     assert cpu[0, :len(vids)].tolist() == list(vids)  # the host rows keep vids
     assert table.block_table.gpu.data_ptr() != cpu.data_ptr()
-    eng.worker.close()
 
 
 @pytest.mark.parametrize("what", ["pp", "dcp", "mamba2"])
 def test_unsupported_hybrid_setups_are_refused_with_the_fix(what):
-    from ulacache_vllm.engine import config, wiring
+    from ulacache_vllm.engine import config
+    from ulacache_vllm.engine.arena import sizing
 
     if what == "mamba2":
         mc = SimpleNamespace(hf_config=SimpleNamespace(architectures=["NemotronHForCausalLM"]))
@@ -301,4 +301,4 @@ def test_unsupported_hybrid_setups_are_refused_with_the_fix(what):
         pc.decode_context_parallel_size = 2
         match = "decode_context_parallel_size > 1.*--kv-backend vllm"
     with pytest.raises(config.KVBackendError, match=match):
-        wiring.prepare_arena(SimpleNamespace(parallel_config=pc))
+        sizing.prepare(SimpleNamespace(parallel_config=pc), config.UlaSettings())

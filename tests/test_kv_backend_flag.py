@@ -158,6 +158,20 @@ attempt("trace_dir", model=ARGS["dsa"], kv_backend="ulacache",
 # Found only in the engine core (exact layer specs and budget): the message still comes back.
 attempt("device_small", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib=0.01,
         kv_cache_memory_bytes=2_000_000)
+# The arena (hybrid models) refuses speculative decoding, before any model loads.
+attempt("arena_spec", model=ARGS["gpt_oss"], kv_backend="ulacache",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                            "prompt_lookup_max": 3})
+# Not vLLM's CPU build (the platform says so for this one attempt): refused, naming the fix.
+from vllm.platforms import current_platform
+platform_cls = type(current_platform)
+is_cpu = platform_cls.__dict__["is_cpu"]
+platform_cls.is_cpu = lambda *a: False
+try:
+    attempt("not_cpu", model=ARGS["dsa"], kv_backend="ulacache")
+finally:
+    platform_cls.is_cpu = is_cpu
+res["is_cpu_restored"] = current_platform.is_cpu()
 emit(res)
 """
 
@@ -166,8 +180,9 @@ emit(res)
 def test_clear_errors_from_llm(tiny_model):
     from _vllm_subprocess import run_vllm_script
 
-    res = run_vllm_script(ERRORS_SCRIPT, args={"dsa": str(tiny_model("deepseek_v32")),
-                                               "llama": str(tiny_model("llama"))}, timeout=300)
+    res = run_vllm_script(ERRORS_SCRIPT, args={
+        "dsa": str(tiny_model("deepseek_v32")), "llama": str(tiny_model("llama")),
+        "gpt_oss": str(tiny_model("gpt_oss", initializer_range=0.1))}, timeout=300)
     assert "valid choices: vllm, ulacache" in res["unknown"]
     assert "bogus" in res["unknown"]
     assert "LlamaForCausalLM" in res["unsupported"]
@@ -181,6 +196,16 @@ def test_clear_errors_from_llm(tiny_model):
     dev = res["device_small"]
     assert dev.startswith("KVBackendError: ulacache device pool too small"), dev
     assert "2000000 bytes" in dev and "Raise the KV budget" in dev
+    # The arena refuses speculative decoding (here n-gram) in the front end, naming the fix.
+    spec = res["arena_spec"]
+    assert spec.startswith("KVBackendError") and "speculative decoding" in spec, spec
+    assert "arena" in spec and "--kv-backend vllm" in spec, spec
+    # On a platform other than vLLM's CPU build (CUDA), ulacache refuses to start: its
+    # translation hook is wired into the CPU sparse-MLA backend only.
+    not_cpu = res["not_cpu"]
+    assert not_cpu.startswith("KVBackendError") and "CPU build only" in not_cpu, not_cpu
+    assert "--kv-backend vllm" in not_cpu, not_cpu
+    assert res["is_cpu_restored"] is True
 
 
 def test_settings_without_the_backend_warn(caplog):
@@ -220,7 +245,7 @@ def test_settings_are_coerced_or_named():
 def test_mtp_draft_layers_count_for_the_host_pool():
     from types import SimpleNamespace as NS
 
-    from ulacache_vllm.engine.wiring import _draft_kv_layers
+    from ulacache_vllm.engine.dsa.sizing import _draft_kv_layers
 
     target = NS()
     draft = NS(hf_text_config=NS(num_nextn_predict_layers=2), get_num_layers=lambda pc: 99)
@@ -254,6 +279,100 @@ def test_engine_args_take_the_backend_and_settings_as_keywords():
             cls(model="m", kv_backend="ulacache", ula_fast_path="maybe")
 
 
+# A fresh interpreter in which vLLM's general plugins never load (VLLM_PLUGINS names none of
+# the installed ones): only the import hook (`patches/import_hook.py`, installed as a `.pth`
+# file) can have taught EngineArgs / AsyncEngineArgs the keywords. Config only, no model.
+ENGINE_ARGS_SCRIPT = r"""
+import sys
+res = {"vllm_preloaded": "vllm" in sys.modules}
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
+import vllm.plugins
+res["plugins_loaded_before"] = vllm.plugins.plugins_loaded
+
+def attempt(cls, **kw):
+    try:
+        a = cls(model="m", **kw)
+        return dict(kv_backend=a.kv_backend, additional_config=a.additional_config,
+                    host_pool_gib=a.ula_host_pool_gib, lru=a.ula_lru)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+for cls in (EngineArgs, AsyncEngineArgs):
+    n = cls.__name__
+    res[n] = attempt(cls, kv_backend="ulacache", ula_host_pool_gib=8)
+    res[n + ".merged"] = attempt(cls, kv_backend="ulacache", ula_lru="EXACT_TS",
+                                 additional_config={"other": 1})
+    res[n + ".default"] = attempt(cls)
+    res[n + ".bad_backend"] = attempt(cls, kv_backend="bogus")
+    res[n + ".bad_lru"] = attempt(cls, kv_backend="ulacache", ula_lru="nope")
+    res[n + ".unknown"] = attempt(cls, kv_backend="ulacache", ula_hostpool=1)
+
+def patch_checks():
+    # Applying again (as the plugin's apply_all does) wraps nothing twice.
+    from ulacache_vllm.patches import engine_args, import_hook
+    engine_args.apply()
+    engine_args.apply()
+    res["wrapped_once"] = [
+        getattr(cls.__dict__["__init__"], "__ulacache_patch__", None) == "engine_args"
+        and not hasattr(cls.__dict__["__init__"].__ulacache_original__, "__ulacache_patch__")
+        for cls in (EngineArgs, AsyncEngineArgs)]
+    res["after_reapply"] = attempt(EngineArgs, kv_backend="ulacache", ula_host_pool_gib=8)
+    res["hook_targets"] = list(import_hook.TARGETS.get("vllm.engine.arg_utils", ()))
+    # Version-checked like every patch: another vLLM fails loudly, naming the patch.
+    import vllm
+    real, vllm.__version__ = vllm.__version__, "0.31.0"
+    try:
+        engine_args.apply()
+        res["other_version"] = "no error"
+    except Exception as e:
+        res["other_version"] = f"{type(e).__name__}: {e}"
+    vllm.__version__ = real
+
+try:
+    patch_checks()
+except Exception as e:
+    res["patch_checks"] = f"{type(e).__name__}: {e}"
+# vLLM ran its plugin loading (in __post_init__) but, as VLLM_PLUGINS asks, not ulacache's.
+res["plugin_imported"] = "ulacache_vllm.engine.plugin" in sys.modules
+emit(res)
+"""
+
+
+def test_engine_args_take_the_settings_from_the_first_import_of_vllm():
+    """`EngineArgs(model, kv_backend=..., ula_*=...)` and `AsyncEngineArgs(...)` work in a fresh
+    interpreter before (here: without) vLLM's plugins, validated as `LLM(...)` validates."""
+    from _vllm_subprocess import run_vllm_script
+
+    res = run_vllm_script(ENGINE_ARGS_SCRIPT, boots_engine=False, timeout=300,
+                          env={"VLLM_PLUGINS": "no_such_plugin"})
+    assert not res["vllm_preloaded"] and not res["plugins_loaded_before"]
+    for n in ("EngineArgs", "AsyncEngineArgs"):
+        assert res[n] == dict(kv_backend="ulacache", host_pool_gib=8.0, lru="pblru",
+                              additional_config={"kv_backend": "ulacache",
+                                                 "ulacache": {"host_pool_gib": 8}}), res[n]
+        merged = res[n + ".merged"]
+        assert isinstance(merged, dict), merged
+        assert merged["additional_config"] == {"other": 1, "kv_backend": "ulacache",
+                                               "ulacache": {"lru": "EXACT_TS"}}
+        assert merged["lru"] == "exact_ts"
+        assert res[n + ".default"]["kv_backend"] == "vllm", res[n + ".default"]
+        bad = res[n + ".bad_backend"]
+        assert bad.startswith("KVBackendError") and "'bogus'" in bad
+        assert "valid choices: vllm, ulacache" in bad
+        bad = res[n + ".bad_lru"]
+        assert bad.startswith("KVBackendError") and "ula_lru" in bad and "'nope'" in bad, bad
+        bad = res[n + ".unknown"]
+        assert bad.startswith("KVBackendError") and "unknown ulacache setting" in bad, bad
+        assert "hostpool" in bad
+    assert "patch_checks" not in res, res["patch_checks"]
+    assert res["wrapped_once"] == [True, True]
+    assert res["after_reapply"] == res["EngineArgs"]
+    assert res["hook_targets"][0] == "engine_args"
+    assert res["other_version"].startswith("VllmHookError") and "'engine_args'" in \
+        res["other_version"] and "0.31.0" in res["other_version"]
+    assert not res["plugin_imported"]
+
+
 def test_one_settings_table_drives_flags_help_and_readme(parser):
     """Every UlaSettings field has a flag with its help text and choices, and the README's
     table is the generated one."""
@@ -275,7 +394,7 @@ def test_one_settings_table_drives_flags_help_and_readme(parser):
 def test_tp_shard_mode_refuses_what_it_does_not_support_yet():
     from types import SimpleNamespace as NS
 
-    from ulacache_vllm.engine.wiring import check_tp_mode
+    from ulacache_vllm.engine.dsa.sizing import check_tp_mode
 
     def cfg(tp=2, pp=1, dcp=1, spec=None, bs=16):
         return NS(parallel_config=NS(tensor_parallel_size=tp, pipeline_parallel_size=pp,

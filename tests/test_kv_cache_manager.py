@@ -3,6 +3,8 @@ worker is told to release. vLLM's CPU build turns prefix caching off for MLA mod
 drives `UlaKVCacheManager` directly with vLLM's own request hashing and block pool."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 from vllm.v1.request import Request
 
 from ulacache_vllm.engine.dsa.manager import UlaKVCacheManager
+from ulacache_vllm.engine.line import UlaKVCacheConfig
 
 BS = 16
 
@@ -23,6 +26,7 @@ def manager():
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
     cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
+    cfg = UlaKVCacheConfig.of(cfg, SimpleNamespace(device_blocks=0))
     return UlaKVCacheManager(cfg, max_model_len=512, scheduler_block_size=BS,
                              hash_block_size=BS, enable_caching=True)
 
@@ -97,13 +101,11 @@ def test_every_free_path_reports_and_orders_blocks_alike(deferred):
     flight); it must pass through the manager like a normal free: the same blocks reported
     dead, and blocks beyond the device range sent to the back of the free queue, so the
     device-range blocks are handed out first again."""
-    from types import SimpleNamespace
-
     init_none_hash(sha256)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
     cfg = KVCacheConfig(num_blocks=16, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-    cfg.ulacache_layout = SimpleNamespace(device_slots=4 * BS, block_size=BS)  # blocks 0-3
+    cfg = UlaKVCacheConfig.of(cfg, SimpleNamespace(device_blocks=4))  # blocks 0-3
     mgr = UlaKVCacheManager(cfg, max_model_len=512, scheduler_block_size=BS,
                             hash_block_size=BS, enable_caching=False)
     req = _request("a", list(range(1, 8 * BS + 1)))  # 8 blocks: 1..8 (0 is the null block)

@@ -64,6 +64,7 @@ def manager(total_bytes: int, force_moves: int = 0):
 
     from ulacache_vllm.engine.arena.manager import ArenaKVCacheManager
     from ulacache_vllm.engine.arena.sizing import ArenaGroup, ArenaLayout
+    from ulacache_vllm.engine.line import UlaKVCacheConfig
 
     sp = specs()
     bands = {"sliding": "low", "full": "high", "state": "low"}
@@ -77,7 +78,7 @@ def manager(total_bytes: int, force_moves: int = 0):
                          force_moves_every=force_moves)
     cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec([n], s) for n, s in sp.values()])
-    cfg.ulacache_arena = layout
+    cfg = UlaKVCacheConfig.of(cfg, layout)
     sched_bs = math.lcm(*(s.block_size for _, s in sp.values()))  # as vLLM computes it
     return ArenaKVCacheManager(cfg, max_model_len=MAX_LEN, scheduler_block_size=sched_bs,
                                hash_block_size=BS, enable_caching=False, max_in_flight_tokens=BS)
@@ -109,7 +110,7 @@ class Harness:
         (their requests are the caller's to end)."""
         self.mgr.new_step_starts()
         scheduled = schedule()
-        plan = self.mgr.take_step_plan()
+        plan = self.mgr.take_step()
         self.worker.apply(plan)
         self.lost = self.worker.take_lost()
         for vid in self.lost:
@@ -124,7 +125,7 @@ class Harness:
                 for vid in ids:
                     if vid and vid not in self.content:
                         self.fill(vid)
-        self.mgr.step_processed(plan.seq)
+        self.mgr.step_processed(plan)
         self.plan = plan
         return scheduled
 
@@ -284,7 +285,7 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
         last = {r.request_id: n for r, n in h.step(schedule).items()}
         if h.lost:  # the scheduler ends the requests holding lost pages with an error
             stats.lost_pages += len(h.lost)
-            for rid in mgr.requests_holding(h.lost, live.values()):
+            for rid in mgr.lost_block_owners(h.lost, live.values()):
                 end(live[rid], "ended_by_fault")
                 stats.ended_by_faults += 1
         stats.steps += 1
@@ -298,5 +299,4 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
     s = mgr.stats()
     stats.compactions, stats.relayouts = s["arena_compactions"], s["arena_relayouts"]
     stats.bytes_copied = h.worker.counters["bytes_copied"]
-    h.worker.close()
     return stats

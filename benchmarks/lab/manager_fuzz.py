@@ -44,12 +44,13 @@ def _manager(num_blocks: int, device_blocks: int):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     from ulacache_vllm.engine.dsa.manager import UlaKVCacheManager
+    from ulacache_vllm.engine.line import UlaKVCacheConfig
 
     init_none_hash(sha256)
     spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
     cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-    cfg.ulacache_layout = SimpleNamespace(device_slots=device_blocks * BS, block_size=BS)
+    cfg = UlaKVCacheConfig.of(cfg, SimpleNamespace(device_blocks=device_blocks))
     return UlaKVCacheManager(cfg, max_model_len=num_blocks * BS, scheduler_block_size=BS,
                              hash_block_size=BS, enable_caching=False)
 

@@ -100,6 +100,10 @@ class _TimedPolicy(EvictionPolicy):
     def __init__(self, inner: EvictionPolicy, stats: MappingStats):
         self.inner, self.stats, self.name = inner, stats, inner.name
 
+    @property
+    def victim_path(self) -> str:
+        return self.inner.victim_path
+
     def _t(self, fn, *a):
         t0 = time.perf_counter()
         try:

@@ -20,6 +20,12 @@ SMALL_POOL_ENV = "ULACACHE_PBLRU_SMALL_POOL_SLOTS"  # overrides a PB-LRU's defau
 class EvictionPolicy:
     name = "base"
 
+    @property
+    def victim_path(self) -> str:
+        """How victims are found (reported by the engine); a policy's name unless it has
+        several paths."""
+        return self.name
+
     def hit_touch(self, loc_vals: torch.Tensor):
         """Hit detection + touch over internal table values of unique entries (-1: unmapped);
         returns the hit mask (device entries)."""

@@ -1,8 +1,9 @@
 """TP shard mode's buffer of recently fetched remote rows (one per rank and layer group).
 
-Rank ``r`` owns the entries ``t`` with ``t % P == r``, yet attention on every rank reads every
-selected row, so rows owned by other ranks are fetched; consecutive DSA top-k sets overlap
-heavily, so a buffer of recently fetched rows turns most fetches into hits.
+Rank ``r`` owns the entries ``t`` with ``t % P == r`` (`placement.TokenShard`, the one
+implementation of that rule), yet attention on every rank reads every selected row, so rows
+owned by other ranks are fetched; consecutive DSA top-k sets overlap heavily, so a buffer of
+recently fetched rows turns most fetches into hits.
 
 The contract matches `TieredMapping`'s: inside the forward only `slots_of` runs (one gather:
 buffer slot or -1); a miss is fetched into staging for that step. Between steps, `settle`
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .placement import TokenShard
 from .policies import make_policy
 from .pools import CapacityError, SlotPool
 
@@ -46,8 +48,7 @@ class RemoteRowBuffer:
                  replicated: bool = False):
         if num_slots < 1:
             raise ValueError(f"a remote-row buffer needs at least one slot, got {num_slots}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in a TP group of {world_size}")
+        self.shard = TokenShard(rank, world_size)  # ValueError for a rank outside the group
         self.device = torch.device(device)
         self.rank, self.world = rank, world_size
         # replicated: a directory every rank keeps identically (same calls in the same order
@@ -71,7 +72,7 @@ class RemoteRowBuffer:
 
     def _remote(self, a: torch.Tensor) -> torch.Tensor:
         ok = (a >= 0) & (a < self.num_logical)
-        return ok if self.replicated else ok & (a % self.world != self.rank)
+        return ok if self.replicated else ok & ~self.shard.owned(a)
 
     def _unique_remote(self, addrs: torch.Tensor) -> torch.Tensor:
         a = torch.as_tensor(addrs, device=self.device).reshape(-1).long()

@@ -327,5 +327,12 @@ def check_model_supported(model_config: Any) -> None:
     )
 
 
+def refuse_context_parallel(pc: Any, who: str, why: str) -> None:
+    """Context parallelism (decode or prefill) is refused by ``who``; ``why`` ends the message."""
+    for what in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (getattr(pc, what, 1) or 1) > 1:
+            raise KVBackendError(f"{who} does not support {what} > 1{why}")
+
+
 if __name__ == "__main__":
     print(settings_markdown())

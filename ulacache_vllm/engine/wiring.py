@@ -87,122 +87,24 @@ def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
             "hook (SparseMLAIndexGroup.convert_logical_to_physical_topk) is not wired into the "
             "CUDA sparse-MLA backends yet. Use --kv-backend vllm on this machine."
         )
-    from .config import is_arena_model
-
-    if is_arena_model(vllm_config.model_config.hf_config):
-        prepare_arena(vllm_config)
-    else:
-        check_tp_mode(vllm_config, settings)
-        check_host_pool(vllm_config, settings)
+    line_sizing(vllm_config).prepare(vllm_config, settings)
     keep_cpu_core_reservation(vllm_config)
     set_error_file()
     sc = vllm_config.scheduler_config
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
 
 
-ARENA_BLOCK_SIZE = 32  # tokens per attention page (CPU_ATTN takes multiples of 32)
+def line_sizing(vllm_config: Any):
+    """The product line serving this model, as its sizing module (`dsa.sizing` or
+    `arena.sizing`): the one place the line is decided; from the engine core's sizing on, the
+    line travels as the layout in `line.UlaKVCacheConfig`."""
+    from .config import is_arena_model
 
-
-def prepare_arena(vllm_config: Any) -> None:
-    """Hybrid models: what the arena does not support yet is refused here, naming the fix;
-    the attention page defaults to 32 tokens instead of the CPU build's 128."""
-    pc = vllm_config.parallel_config
-    fix = " Use --kv-backend vllm for this setup."
-    # Tensor parallelism: every rank holds its heads' share of every page, so one plan (the
-    # same vids, granules and copies) serves every rank's buffer.
-    if pc.pipeline_parallel_size > 1:
-        raise KVBackendError(
-            f"--kv-backend ulacache's arena (hybrid models) does not support pipeline "
-            f"parallelism yet (pipeline_parallel_size {pc.pipeline_parallel_size}); tensor "
-            f"parallelism is supported.{fix}")
-    _refuse_context_parallel(pc, "--kv-backend ulacache's arena (hybrid models)", f" yet.{fix}")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise KVBackendError("--kv-backend ulacache's arena (hybrid models) does not support "
-                             f"speculative decoding yet.{fix}")
-    sc = vllm_config.scheduler_config
-    if sc.async_scheduling:
-        # A step's pages are fenced until its output is processed; with one batch in flight
-        # at a time (synchronous scheduling) the fences pass before the next schedule.
-        logger.info("ulacache arena: async scheduling is turned off (hybrid models run with "
-                    "synchronous scheduling under the arena for now)")
-        sc.async_scheduling = False
-    cc = vllm_config.cache_config
-    if not getattr(cc, "user_specified_block_size", False):
-        cc.block_size = ARENA_BLOCK_SIZE
-
-
-def _refuse_context_parallel(pc: Any, who: str, why: str) -> None:
-    for what in ("decode_context_parallel_size", "prefill_context_parallel_size"):
-        if (getattr(pc, what, 1) or 1) > 1:
-            raise KVBackendError(f"{who} does not support {what} > 1{why}")
-
-
-def shards_of(vllm_config: Any, settings: UlaSettings) -> int:
-    """Ranks the logical space is split over: the TP size in shard mode, else 1."""
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    return tp if settings.tp_mode == "shard" and tp > 1 else 1
-
-
-def check_tp_mode(vllm_config: Any, settings: UlaSettings) -> None:
-    """What TP shard mode does not support yet is refused here, before any engine starts."""
-    if shards_of(vllm_config, settings) == 1:
-        return
-    pc = vllm_config.parallel_config
-    tp = pc.tensor_parallel_size
-    fix = "; use --ula-tp-mode replicate (every rank holds every row) for this setup."
-    if pc.pipeline_parallel_size > 1:
-        raise KVBackendError(f"--ula-tp-mode shard (tensor_parallel_size {tp}) does not "
-                             f"support pipeline parallelism (pipeline_parallel_size "
-                             f"{pc.pipeline_parallel_size}) yet{fix}")
-    _refuse_context_parallel(pc, "--ula-tp-mode shard",
-                             f" (vLLM's context parallelism shards the KV itself){fix}")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise KVBackendError("--ula-tp-mode shard does not support speculative decoding (MTP) "
-                             "yet: rejected draft tokens rewrite their KV rows in place, which "
-                             f"the remote-row buffers would serve stale{fix}")
-    bs = getattr(vllm_config.cache_config, "block_size", None)
-    if bs and bs % tp:
-        raise KVBackendError(
-            f"--ula-tp-mode shard needs block_size % tensor_parallel_size == 0 (token t lives "
-            f"on rank t mod {tp}); block_size is {bs}. Pass --block-size {bs * tp} (or another "
-            f"multiple of {tp}){fix}")
-
-
-def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
-    """Fails in the front end (before any engine process starts) when the host pool cannot
-    hold one request of max_model_len; the engine core re-checks with the exact layer specs."""
-    import torch
-
-    from .dsa.sizing import check_host_capacity, host_tokens_of
-
-    mc = vllm_config.model_config
-    text = mc.hf_text_config
-    head = getattr(text, "kv_lora_rank", 0) + getattr(text, "qk_rope_head_dim", 0)
-    layers = mc.get_num_layers(vllm_config.parallel_config) + _draft_kv_layers(vllm_config)
-    dtype = mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.bfloat16
-    per_token = layers * head * torch.empty((), dtype=dtype).element_size()
-    if per_token <= 0:
-        return
-    # Whole blocks, as the engine core counts them (the block size may still change there; it
-    # checks again with its own).
-    bs = getattr(vllm_config.cache_config, "block_size", None) or 1
-    shards = shards_of(vllm_config, settings)
-    host_tokens = host_tokens_of(settings.host_pool_gib, per_token, max(1, bs // shards))
-    check_host_capacity(settings.host_pool_gib, host_tokens, per_token, layers, mc.max_model_len,
-                        max(1, bs // shards), shards)
-
-
-def _draft_kv_layers(vllm_config: Any) -> int:
-    """KV layers a speculative draft adds (an MTP module of a DSA model keeps sparse-MLA rows
-    like the target's layers); 0 without a draft model (e.g. n-gram speculation)."""
-    spec = getattr(vllm_config, "speculative_config", None)
-    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
-    if draft is None or draft is vllm_config.model_config:
-        return 0
-    n = getattr(draft.hf_text_config, "num_nextn_predict_layers", None)
-    if getattr(spec, "method", None) in ("mtp", "deepseek_mtp") and n:
-        return int(n)
-    return draft.get_num_layers(vllm_config.parallel_config)
+    if is_arena_model(vllm_config.model_config.hf_config):
+        from .arena import sizing
+    else:
+        from .dsa import sizing
+    return sizing
 
 
 def set_error_file() -> None:

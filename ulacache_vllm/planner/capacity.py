@@ -512,7 +512,7 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
                    f"{heads} KV heads over TP {cl.tp}: {max(1, heads // cl.tp)} per rank"
                    + (f", replicated {cl.tp // heads}x" if cl.tp > heads else "") + ")")
         from ulacache_vllm.engine.arena import sizing as arena_sizing
-        from ulacache_vllm.engine.wiring import ARENA_BLOCK_SIZE
+        from ulacache_vllm.engine.arena.sizing import ARENA_BLOCK_SIZE
 
         arena = (f"ulacache arena: engine.arena_sizing.plan_arena (the engine's startup "
                  f"sizing) on the specs the engine builds under --kv-backend ulacache: "

@@ -337,7 +337,7 @@ def hybrid_specs(shape: ModelShape, kv_dtype: str, tp: int, block_size: int = 16
 def arena_specs(shape: ModelShape, kv_dtype: str, tp: int, max_model_len: int) -> dict:
     """One rank's specs as vLLM builds them under `--kv-backend ulacache` (the arena): no
     hybrid block alignment (`patches/hybrid_block_size.py` skips it), attention and sliding
-    layers in `engine.wiring.ARENA_BLOCK_SIZE`-token pages, a GDN state page of exactly the
+    layers in `engine.arena.sizing.ARENA_BLOCK_SIZE`-token pages, a GDN state page of exactly the
     state's bytes (no `page_size_padded`), mamba_cache_mode 'none' (ulacache turns prefix
     caching off) with vLLM's mamba block of max_model_len."""
     from vllm.v1.kv_cache_interface import (
@@ -346,7 +346,7 @@ def arena_specs(shape: ModelShape, kv_dtype: str, tp: int, max_model_len: int) -
         SlidingWindowSpec,
     )
 
-    from ulacache_vllm.engine.wiring import ARENA_BLOCK_SIZE
+    from ulacache_vllm.engine.arena.sizing import ARENA_BLOCK_SIZE
 
     c = shape.config
     head = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]

@@ -27,9 +27,14 @@ import numpy as np
 from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from ulacache_vllm.arena import Arena, Band, KindSpec, RowSpec
+
+from ..line import LineManager, layout_of
+
+logger = init_logger("vllm.ulacache.arena")
 
 NULL_KIND = "null"
 
@@ -174,9 +179,9 @@ class ArenaBlockPool(BlockPool):
         return True
 
 
-class ArenaKVCacheManager(KVCacheManager):
+class ArenaKVCacheManager(LineManager, KVCacheManager):
     def __init__(self, kv_cache_config, *args, **kwargs):
-        layout = kv_cache_config.ulacache_arena
+        layout = layout_of(kv_cache_config)
         # vLLM's coordinator builds one block object per block: give it a one-block config
         # (only its null block), then swap every pool for an arena pool.
         small = copy.copy(kv_cache_config)
@@ -280,12 +285,13 @@ class ArenaKVCacheManager(KVCacheManager):
             move = self.arena.relayout if self.step_seq // every % 2 else self.arena.compact
             self._state.record_moves(move())
 
-    def step_processed(self, seq: int) -> None:
-        """The scheduler processed the output of step ``seq`` (steps complete in order)."""
-        self.processed_seq = max(self.processed_seq, seq)
+    def step_processed(self, plan: ArenaStepPlan) -> None:
+        """The scheduler processed the output of ``plan``'s step (steps complete in order):
+        its fence passes."""
+        self.processed_seq = max(self.processed_seq, plan.seq)
         self.arena.ledger.poll()
 
-    def take_step_plan(self) -> ArenaStepPlan:
+    def take_step(self) -> ArenaStepPlan:
         """The plan of the step being scheduled; its fence covers the pages it placed or
         moved (they may not move again, nor their bytes be reused, until the scheduler has
         processed the step's output)."""
@@ -332,15 +338,17 @@ class ArenaKVCacheManager(KVCacheManager):
         # figures (``ulacache_usage``, /metrics) catch up when the engine goes idle.
         return self._state.dirty
 
-    def take_freed_blocks(self) -> list[int]:
-        return []
-
     def has_withheld_bytes(self) -> bool:
         return self.arena.pending_bytes > 0
 
-    def requests_holding(self, vids, requests) -> set[str]:
+    def lost_block_owners(self, vids, requests, vllm_default=None) -> set[str]:
         """The ids of ``requests`` holding any of ``vids`` in any group (vids are unique
-        across kinds: one arena numbers them all)."""
+        across kinds: one arena numbers them all). vLLM maps lost blocks to requests only for
+        one group, so its default is not used."""
         vids = set(vids)
-        return {r.request_id for r in requests
-                if any(vids.intersection(ids) for ids in self.get_block_ids(r.request_id))}
+        failed = {r.request_id for r in requests
+                  if any(vids.intersection(ids) for ids in self.get_block_ids(r.request_id))}
+        if failed:
+            logger.error("Failing %d request(s) due to KV load failure: a page move lost %d "
+                         "arena pages. Request IDs: %s", len(failed), len(vids), sorted(failed))
+        return failed

@@ -15,8 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
-from ..config import KVBackendError, UlaSettings, reported_to_front_end
+from vllm.logger import init_logger
+
+from ..config import KVBackendError, UlaSettings, refuse_context_parallel, reported_to_front_end
+from ..line import LineLayout, UlaKVCacheConfig
+
+logger = init_logger("vllm.ulacache")
 
 MIN_ALIGNMENT = 256
 # Granules are vLLM block ids (int32 in its block tables) and the views' dim 0 (strided views
@@ -40,7 +46,7 @@ class ArenaGroup:
 
 
 @dataclasses.dataclass
-class ArenaLayout:
+class ArenaLayout(LineLayout):
     groups: list[ArenaGroup]
     alignment: int
     total_bytes: int  # the arena's byte range (the null page included)
@@ -49,6 +55,17 @@ class ArenaLayout:
     max_model_len: int
     stock_requests: int | None = None  # max_model_len requests stock HMA fits (estimate)
     force_moves_every: int = 0
+
+    def manager_cls(self) -> type:
+        from .manager import ArenaKVCacheManager
+
+        return ArenaKVCacheManager
+
+    def build_worker(self, vllm_config, settings, kv_caches: dict):
+        from ..faults import MoveFaults
+        from .worker import ArenaWorker
+
+        return ArenaWorker(self, kv_caches, MoveFaults.from_env())
 
     @property
     def num_granules(self) -> int:
@@ -70,7 +87,7 @@ class ArenaLayout:
     def max_requests(self) -> int:
         return (self.total_bytes - self.null_page_bytes) // max(1, self.request_bytes())
 
-    def summary(self) -> str:
+    def summary(self, max_model_len: int | None = None) -> str:
         kinds = ", ".join(
             f"{g.kind} {len(g.layer_names)} layers x {g.layer_page_bytes} B = {g.page_bytes} B "
             f"pages of {g.block_size} tokens ({g.band} band)" for g in self.groups)
@@ -221,11 +238,11 @@ def stock_hma_requests(vllm_config, grouped, budget: int) -> int | None:
         return None
 
 
-def get_kv_cache_configs(vllm_config, kv_cache_specs: list[dict], available_memory: list[int],
-                         settings: UlaSettings):
+def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict],
+                         available_memory: list[int], settings: UlaSettings):
     """The arena's KVCacheConfigs: one group per kind, one strided tensor per group over one
-    buffer, ``num_blocks`` = granules."""
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+    buffer, ``num_blocks`` = granules (vLLM's own sizing, ``orig``, is not used)."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheTensor
 
     with reported_to_front_end():
         plans = [plan_arena(vllm_config, s, a, settings)
@@ -237,8 +254,38 @@ def get_kv_cache_configs(vllm_config, kv_cache_specs: list[dict], available_memo
         tensors = [KVCacheTensor(size=layout.buffer_bytes, layers=list(g.layer_names),
                                  layer_stride=g.layer_page_bytes, block_stride=layout.alignment,
                                  offset=0) for g in layout.groups]
-        cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=tensors,
-                            kv_cache_groups=groups)
-        cfg.ulacache_arena = layout
-        configs.append(cfg)
+        configs.append(UlaKVCacheConfig(num_blocks=layout.num_granules,
+                                        kv_cache_tensors=tensors, kv_cache_groups=groups,
+                                        layout=layout))
     return configs
+
+
+ARENA_BLOCK_SIZE = 32  # tokens per attention page (CPU_ATTN takes multiples of 32)
+
+
+def prepare(vllm_config: Any, settings: UlaSettings) -> None:
+    """Hybrid models: what the arena does not support yet is refused here, naming the fix;
+    the attention page defaults to 32 tokens instead of the CPU build's 128."""
+    pc = vllm_config.parallel_config
+    fix = " Use --kv-backend vllm for this setup."
+    # Tensor parallelism: every rank holds its heads' share of every page, so one plan (the
+    # same vids, granules and copies) serves every rank's buffer.
+    if pc.pipeline_parallel_size > 1:
+        raise KVBackendError(
+            f"--kv-backend ulacache's arena (hybrid models) does not support pipeline "
+            f"parallelism yet (pipeline_parallel_size {pc.pipeline_parallel_size}); tensor "
+            f"parallelism is supported.{fix}")
+    refuse_context_parallel(pc, "--kv-backend ulacache's arena (hybrid models)", f" yet.{fix}")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise KVBackendError("--kv-backend ulacache's arena (hybrid models) does not support "
+                             f"speculative decoding yet.{fix}")
+    sc = vllm_config.scheduler_config
+    if sc.async_scheduling:
+        # A step's pages are fenced until its output is processed; with one batch in flight
+        # at a time (synchronous scheduling) the fences pass before the next schedule.
+        logger.info("ulacache arena: async scheduling is turned off (hybrid models run with "
+                    "synchronous scheduling under the arena for now)")
+        sc.async_scheduling = False
+    cc = vllm_config.cache_config
+    if not getattr(cc, "user_specified_block_size", False):
+        cc.block_size = ARENA_BLOCK_SIZE

@@ -25,14 +25,11 @@ import numpy as np
 import torch
 
 from ..faults import MoveFaults
+from ..line import LineWorker
+from ..metrics import ARENA_COUNTERS, UlaStats, arena_gauges, per_rank_gauges
 
 logger = logging.getLogger("vllm.ulacache.arena_worker")
 LOOP_MIN_BYTES = 16 << 10  # CPU: ranges this large on average are copied slice by slice
-_ACTIVE: "ArenaWorker | None" = None  # this worker process's arena (one engine per process)
-
-
-def active() -> "ArenaWorker | None":
-    return _ACTIVE
 
 
 class BadBytes:
@@ -76,10 +73,9 @@ class BadBytes:
             self.add(a, b)
 
 
-class ArenaWorker:
+class ArenaWorker(LineWorker):
     def __init__(self, layout, kv_caches: dict[str, torch.Tensor],
                  faults: MoveFaults | None = None) -> None:
-        global _ACTIVE
         self.layout = layout
         first = next(iter(kv_caches.values()))
         storage = first.untyped_storage()
@@ -99,15 +95,18 @@ class ArenaWorker:
         self.v2g = torch.zeros(1024, dtype=torch.int32, device=first.device)
         self.counters = {"steps": 0, "copies": 0, "bytes_copied": 0, "zeroed_pages": 0,
                          "failed_copy_steps": 0, "lost_pages": 0, "stalled_copy_steps": 0}
-        self.stats: dict = {}
+        self.stats_seen: dict = {}  # the scheduler's arena stats, from the last plan
         self.faults = faults  # test-only (`move_faults`); None: no fault can fire
         self.lost: set[int] = set()  # vids whose bytes a failed copy lost, not yet reported
-        _ACTIVE = self
+        self._reported: dict = {}  # counters and gauges as last sent (`stats`)
 
-    def close(self) -> None:
-        global _ACTIVE
-        if _ACTIVE is self:
-            _ACTIVE = None
+    def before_step(self, plan) -> None:
+        # Copies, v2g updates and zeroing land before vLLM commits this step's block tables.
+        self.apply(plan)
+
+    def commit_block_table(self, block_table, num_reqs: int) -> bool:
+        self.translate(block_table, num_reqs)
+        return True
 
     def apply(self, plan) -> None:
         if self.faults is not None:
@@ -146,7 +145,7 @@ class ArenaWorker:
         self.counters["zeroed_pages"] += len(plan.zero)
         self.counters["steps"] += 1
         if plan.stats:
-            self.stats = plan.stats
+            self.stats_seen = plan.stats
 
     def _gather(self, nbytes: np.ndarray) -> bool:
         """Whole-step index ops (a gather and a scatter, or one fill) rather than a slice copy
@@ -200,6 +199,39 @@ class ArenaWorker:
 
     def take_lost(self) -> set[int]:
         out, self.lost = self.lost, set()
+        return out
+
+    def stats(self, rank: int):
+        """The arena's counters as increments since the last report, its gauges as they are;
+        sent when they changed: the scheduler's counters (in the plan's stats) and this
+        worker's failed copies."""
+        s = {**self.stats_seen, "failed_copies": self.counters["failed_copy_steps"]}
+        if len(s) == 1:
+            return None
+        keys = ARENA_COUNTERS + ("failed_copies",)
+        data = {}
+        for k in keys:
+            d = s.get(k, 0) - self._reported.get(k, 0)
+            if d:
+                data[k] = d
+        gauges = arena_gauges(s)
+        if not data and gauges == self._reported.get("gauges"):
+            return None
+        self._reported = {**{k: s.get(k, 0) for k in keys}, "gauges": gauges}
+        data.update(per_rank_gauges(gauges, rank))
+        return UlaStats(data=data)
+
+    def usage(self) -> dict:
+        """The arena's figures as of the last step."""
+        out = dict(self.stats_seen)
+        out["worker"] = dict(self.counters)  # copies and zeroing this worker executed
+        lay = self.layout
+        out["alignment"] = lay.alignment
+        out["kinds"] = {g.kind: {"layers": len(g.layer_names), "page_bytes": g.page_bytes,
+                                 "block_size": g.block_size, "band": g.band}
+                        for g in lay.groups}
+        out["max_requests"] = lay.max_requests
+        out["kinds_null_bytes"] = lay.null_page_bytes
         return out
 
     def translate(self, block_table, num_reqs: int) -> None:

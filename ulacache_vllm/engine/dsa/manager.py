@@ -19,16 +19,16 @@ from __future__ import annotations
 
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
+from ..line import LineManager, layout_of
 
-class UlaKVCacheManager(KVCacheManager):
+
+class UlaKVCacheManager(LineManager, KVCacheManager):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._freed: list[int] = []
-        layout = getattr(self.kv_cache_config, "ulacache_layout", None)
         # Blocks whose identity placement (logical slot == device slot) lands in the device
         # pool: while only these are live, the worker needs no translation at all.
-        self._device_blocks = (layout.device_slots * getattr(layout, "shards", 1)
-                               // layout.block_size) if layout else 0
+        self._device_blocks = layout_of(self.kv_cache_config).device_blocks
         pool_free = self.block_pool.free_blocks
 
         def free_blocks(ordered_blocks) -> None:  # this pool's only way back: see module doc
@@ -81,6 +81,8 @@ class UlaKVCacheManager(KVCacheManager):
     def take_freed_blocks(self) -> list[int]:
         out, self._freed = self._freed, []
         return out
+
+    take_step = take_freed_blocks  # the step's payload: the blocks freed since the last one
 
     @property
     def num_used_blocks(self) -> int:

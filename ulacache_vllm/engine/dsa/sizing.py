@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 from dataclasses import dataclass
 
 import torch
 
-from ..config import KVBackendError, UlaSettings, reported_to_front_end
+from ..config import KVBackendError, UlaSettings, refuse_context_parallel, reported_to_front_end
+from ..line import LineLayout, UlaKVCacheConfig
 
 GIB = 1 << 30
 
 
 @dataclass
-class UlaLayout:
+class UlaLayout(LineLayout):
     block_size: int
     device_slots: int  # MLA rows per layer in the device pool
     host_slots: int  # MLA rows per layer in the host pool
@@ -53,6 +55,21 @@ class UlaLayout:
     def shards(self) -> int:
         """Ranks the logical space is split over (1 unless TP shard mode)."""
         return self.tp_world if self.tp_mode == "shard" else 1
+
+    @property
+    def device_blocks(self) -> int:
+        """Logical blocks whose identity placement (slot == device row) is on the device."""
+        return self.device_slots * self.shards // self.block_size
+
+    def manager_cls(self) -> type:
+        from .manager import UlaKVCacheManager
+
+        return UlaKVCacheManager
+
+    def build_worker(self, vllm_config, settings, kv_caches: dict):
+        from .worker import DsaWorker
+
+        return DsaWorker.build(self, vllm_config, settings, kv_caches)
 
     def summary(self, max_model_len: int) -> str:
         per_req = max(1, max_model_len)
@@ -306,5 +323,78 @@ def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict], availabl
             raise RuntimeError(
                 f"ulacache: vLLM sized {cfg.num_blocks} blocks, expected {layout.num_blocks}"
             )
-        cfg.ulacache_layout = layout
-    return configs
+    return [UlaKVCacheConfig.of(cfg, layout) for cfg in configs]
+
+
+def prepare(vllm_config: Any, settings: UlaSettings) -> None:
+    """Front end (before any engine process starts): what this line refuses, named with the
+    fix, and whether one request fits the host pool."""
+    check_tp_mode(vllm_config, settings)
+    check_host_pool(vllm_config, settings)
+
+
+def shards_of(vllm_config: Any, settings: UlaSettings) -> int:
+    """Ranks the logical space is split over: the TP size in shard mode, else 1."""
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return tp if settings.tp_mode == "shard" and tp > 1 else 1
+
+
+def check_tp_mode(vllm_config: Any, settings: UlaSettings) -> None:
+    """What TP shard mode does not support yet is refused here, before any engine starts."""
+    if shards_of(vllm_config, settings) == 1:
+        return
+    pc = vllm_config.parallel_config
+    tp = pc.tensor_parallel_size
+    fix = "; use --ula-tp-mode replicate (every rank holds every row) for this setup."
+    if pc.pipeline_parallel_size > 1:
+        raise KVBackendError(f"--ula-tp-mode shard (tensor_parallel_size {tp}) does not "
+                             f"support pipeline parallelism (pipeline_parallel_size "
+                             f"{pc.pipeline_parallel_size}) yet{fix}")
+    refuse_context_parallel(pc, "--ula-tp-mode shard",
+                             f" (vLLM's context parallelism shards the KV itself){fix}")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise KVBackendError("--ula-tp-mode shard does not support speculative decoding (MTP) "
+                             "yet: rejected draft tokens rewrite their KV rows in place, which "
+                             f"the remote-row buffers would serve stale{fix}")
+    bs = getattr(vllm_config.cache_config, "block_size", None)
+    if bs and bs % tp:
+        raise KVBackendError(
+            f"--ula-tp-mode shard needs block_size % tensor_parallel_size == 0 (token t lives "
+            f"on rank t mod {tp}); block_size is {bs}. Pass --block-size {bs * tp} (or another "
+            f"multiple of {tp}){fix}")
+
+
+def check_host_pool(vllm_config: Any, settings: UlaSettings) -> None:
+    """Fails in the front end (before any engine process starts) when the host pool cannot
+    hold one request of max_model_len; the engine core re-checks with the exact layer specs."""
+    import torch
+
+
+    mc = vllm_config.model_config
+    text = mc.hf_text_config
+    head = getattr(text, "kv_lora_rank", 0) + getattr(text, "qk_rope_head_dim", 0)
+    layers = mc.get_num_layers(vllm_config.parallel_config) + _draft_kv_layers(vllm_config)
+    dtype = mc.dtype if isinstance(mc.dtype, torch.dtype) else torch.bfloat16
+    per_token = layers * head * torch.empty((), dtype=dtype).element_size()
+    if per_token <= 0:
+        return
+    # Whole blocks, as the engine core counts them (the block size may still change there; it
+    # checks again with its own).
+    bs = getattr(vllm_config.cache_config, "block_size", None) or 1
+    shards = shards_of(vllm_config, settings)
+    host_tokens = host_tokens_of(settings.host_pool_gib, per_token, max(1, bs // shards))
+    check_host_capacity(settings.host_pool_gib, host_tokens, per_token, layers, mc.max_model_len,
+                        max(1, bs // shards), shards)
+
+
+def _draft_kv_layers(vllm_config: Any) -> int:
+    """KV layers a speculative draft adds (an MTP module of a DSA model keeps sparse-MLA rows
+    like the target's layers); 0 without a draft model (e.g. n-gram speculation)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None) if spec is not None else None
+    if draft is None or draft is vllm_config.model_config:
+        return 0
+    n = getattr(draft.hf_text_config, "num_nextn_predict_layers", None)
+    if getattr(spec, "method", None) in ("mtp", "deepseek_mtp") and n:
+        return int(n)
+    return draft.get_num_layers(vllm_config.parallel_config)

@@ -47,7 +47,6 @@ tables (in place, nothing moves) and the store stays mapped until every entry is
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -57,13 +56,13 @@ from vllm.logger import init_logger
 from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
 from ulacache_vllm.core.pools import CapacityError
 from ulacache_vllm.core.remote_buffer import RemoteRowBuffer
-from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 
 from ..config import UlaSettings
-from .kv_translation import KVTranslator
 from ..faults import MoveFaults
 from .sizing import UlaLayout
-from .tp_shard import IndexerShard, TokenShard, TPExchange
+from .tp_shard import IndexerShard, ShardedRows, TokenShard, TPExchange
+from .trace import StepTrace
+from .translator import GroupTranslator
 
 logger = init_logger("vllm.ulacache.worker_store")
 
@@ -115,7 +114,7 @@ class _Group:
     fetched: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class UlaWorkerStore:
+class UlaWorkerStore(ShardedRows):
     def __init__(self, layout: UlaLayout, settings: UlaSettings, layers: dict, device: torch.device,
                  trace_file: str | None = None, exchange: TPExchange | None = None):
         self.layout = layout
@@ -195,9 +194,7 @@ class UlaWorkerStore:
         self.faults = MoveFaults.from_env()  # test-only fault injection; None by default
         self._last_report, self._usage_changed = 0, False
         # Truncated: one file holds one run (two runs' steps would merge on replay).
-        self._trace = open(trace_file, "w") if trace_file else None
-        if self._trace is not None:
-            self._trace.write(json.dumps({"num_logical": layout.num_blocks * bs}) + "\n")
+        self.trace = StepTrace.open(trace_file, layout.num_blocks * bs)
         for g in self.groups:
             t = GroupTranslator(self, g)
             for name in g.layers:
@@ -280,7 +277,7 @@ class UlaWorkerStore:
         addrs = (blocks.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).reshape(-1)
         self._usage_changed = True
         for g in self.groups:
-            self._record(g.gid, "free", addrs)
+            self.trace.record(self.step, g.gid, "free", addrs)
             if g.remote is not None:
                 g.remote.invalidate(addrs)  # a reused address must never read stale rows
         if self.shard is not None:
@@ -327,34 +324,10 @@ class UlaWorkerStore:
             self._apply(g, plan)
             return
 
-    def _settle_remote(self, g: _Group, sel: torch.Tensor, freed: torch.Tensor | None) -> None:
-        """TP shard mode: the previous step's reads of ``g`` update the buffer directory the
-        same way on every rank (hits touched, fetched rows kept unless freed since); this rank
-        copies in the kept rows it does not own."""
-        sh = self.shard
-        sel = sel[sel >= 0]
-        rem = torch.unique(sel[~sh.owned(sel)])
-        self.counters.remote_lookups += rem.numel()
-        self.counters.remote_hits += int((g.remote.slots_of(rem) >= 0).sum())
-        fetched = g.fetch_addrs
-        if fetched is not None and freed is not None and fetched.numel():
-            fetched = fetched.masked_select(~torch.isin(fetched, freed))
-        keep, slots = g.remote.settle(sel, insertable=fetched)
-        mine = ~sh.owned(keep)
-        keep, slots = keep[mine], slots[mine]
-        if keep.numel():
-            pos = g.fetch_index.index_select(0, torch.searchsorted(g.fetch_addrs, keep))
-            rows = slots + self.remote_base
-            with self.timed("copy"):
-                for name in g.layers:
-                    self.device_bytes[name].index_copy_(
-                        0, rows, g.fetched[name].index_select(0, pos))
-
     def _prepare_writes(self, g: _Group, slot_mapping: torch.Tensor) -> None:
         """Device rows for this step's new tokens of ``g`` (padding and, in TP shard mode,
         other ranks' tokens -> the trash row)."""
-        if g.layers and self._trace is not None:
-            self._record(g.gid, "append", slot_mapping)
+        self.trace.record(self.step, g.gid, "append", slot_mapping)
         with self.timed("write"):
             sm = slot_mapping.reshape(-1).long()
             if self.shard is not None:
@@ -397,59 +370,6 @@ class UlaWorkerStore:
                 self._prepare_writes(g, key)
         self.identity = False
         self.counters.fast_path_exits += 1
-
-    def replica_view(self, name: str) -> torch.Tensor | None:
-        """While replicated: indexer layer ``name``'s cache viewed with whole blocks
-        ([blocks, block_size, width], logical address = row), else None."""
-        if not self.replicas:
-            return None
-        t = self.indexer_caches[name]
-        bs, width = self.layout.block_size, t.shape[-1]
-        n = self.replica_limit // bs * bs
-        return t.view(-1)[: n * width].view(-1, bs, width)
-
-    def _end_replicas(self) -> None:
-        """Replicated rows -> shards, on every rank at the same step: this rank's tokens move
-        to their local addresses (device row and indexer key; local identity placement), the
-        others' rows are dropped."""
-        from .cpu_indexer import _cache_views
-
-        sh, bs = self.shard, self.layout.block_size
-        live = torch.nonzero(self.glive).flatten()
-        # (This step's new addresses are already marked live; those past the limit have no
-        # row yet and are placed by the step's writes.)
-        own = live[sh.owned(live) & (live < self.replica_limit)]
-        local = own // sh.world
-        with self.timed("copy"):
-            for name in self.layout.mla_layers:
-                d = self.device_bytes[name]
-                d.index_copy_(0, local, d.index_select(0, own))
-            for name in self.indexer_caches:
-                rv, rs = _cache_views(self.replica_view(name))
-                lv, ls = _cache_views(self.indexer_caches[name])
-                vals = rv[own // bs, own % bs].clone()
-                scales = rs[own // bs, own % bs].clone()
-                lbs = bs // sh.world
-                lv[local // lbs, local % lbs] = vals
-                ls[local // lbs, local % lbs] = scales
-        self.replicas = False
-        self.identity = True
-        self.live.zero_()
-        self.live.index_fill_(0, local, True)
-        self.counters.replica_exits += 1
-        for g in self.groups:
-            if g.write_key is not None:  # an earlier group's writes of this step: re-assign
-                key = g.write_key
-                g.write_key = None
-                self._prepare_writes(g, key)
-
-    def _start_replicas(self) -> None:
-        """Everything freed on every rank: back to replicated rows."""
-        self.replicas = True
-        self.identity = True
-        self.live.zero_()
-        for g in self.groups:
-            g.selected.clear()
 
     def copy_fn(self, g: _Group):
         """Copies byte rows of every layer of ``g`` between tiers (device, host, staging)."""
@@ -528,16 +448,6 @@ class UlaWorkerStore:
         out, self.lost_blocks = self.lost_blocks, set()
         return out
 
-    def _record(self, gid: int, kind: str, addrs: torch.Tensor, reqs=None) -> None:
-        if self._trace is None or addrs.numel() == 0:
-            return
-        a = addrs[addrs >= 0]
-        rec = {"step": self.step, "group": gid, "kind": kind,
-               "req": reqs.tolist() if reqs is not None else 0, "addr": a.tolist()}
-        self._trace.write(json.dumps(rec) + "\n")
-        self._trace.flush()
-
-    # ---------------------------------------------------------------- reporting
     def usage(self) -> dict[str, int]:
         n = len(self.groups)
         out = {"device_capacity": self.layout.device_slots * n,
@@ -570,144 +480,3 @@ class UlaWorkerStore:
         """Every counter since startup (reported or not yet)."""
         return {k: getattr(self._taken, k) + getattr(self.counters, k)
                 for k in self.counters.__dataclass_fields__}
-
-
-class GroupTranslator(KVTranslator):
-    """The forward half of the contract for one layer group (see the module doc)."""
-
-    def __init__(self, store: UlaWorkerStore, group: _Group):
-        self.store = store
-        self.g = group
-        self.trash_slot = store.trash_slot
-
-    def write_slots(self, layer_name: str, slot_mapping: torch.Tensor) -> torch.Tensor:
-        g = self.g
-        if g.write_key is not None and (
-                g.write_key is slot_mapping or (
-                    g.write_key.data_ptr() == slot_mapping.data_ptr()
-                    and g.write_key.shape == slot_mapping.shape)):
-            return g.write_rows
-        # Not in the pre-forward context (an MTP draft layer), or another layer of the group
-        # with a copy of the same slots: prepared here, inside the forward.
-        if g.write_key is None or not torch.equal(g.write_key.reshape(-1).long(),
-                                                  slot_mapping.reshape(-1).long()):
-            self.store._prepare_writes(g, slot_mapping)
-        return g.write_rows
-
-    def resolve(self, layer_name: str, logical: torch.Tensor, req_of_token: torch.Tensor | None):
-        g, st = self.g, self.store
-        # The group's first layer resolves (each forward pass, so a drafter's repeated passes
-        # in one step each resolve their own selection); the others reuse its result.
-        if layer_name != g.layers[0] and g.read_step == st.step:
-            return g.read
-        if st._trace is not None:
-            st._record(g.gid, "select", logical.reshape(-1),
-                       None if req_of_token is None else
-                       req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
-        with st.timed("read"):
-            if st.replicas:  # every row is here, at its logical address
-                g.read_host = False
-                g.read = (logical, [])
-                g.read_step = st.step
-                return g.read
-            sh = st.shard
-            local = logical if sh is None else sh.local(logical)
-            staged = []
-            g.read_host = not st.identity and g.host_live
-            if st.identity:
-                dev = local
-            else:
-                dev, host = self._locate(local)
-                if g.read_host:
-                    staged.append(host)
-            if sh is not None or not st.identity:
-                g.selected.append(logical)
-            if sh is not None:
-                dev, fetch_ids = self._remote(logical, dev)
-                staged.append(fetch_ids)
-            g.read = (dev, staged)
-        g.read_step = st.step
-        return g.read
-
-    def _locate(self, local: torch.Tensor):
-        """(device rows, host rows) of local addresses through the committed table; -1 where
-        not on that tier or not an address."""
-        g = self.g
-        loc = g.mapping.visible.index_select(0, local.reshape(-1).clamp(min=0)).view_as(local)
-        valid = (local >= 0) & (loc >= 0)
-        tier = loc >> SLOT_BITS
-        slot = loc & SLOT_MASK
-        neg = torch.full_like(slot, -1)
-        return (torch.where(valid & (tier == DEVICE), slot, neg),
-                torch.where(valid & (tier == HOST), slot, neg))
-
-    def _remote(self, logical: torch.Tensor, dev: torch.Tensor):
-        """TP shard mode: remote rows in the buffer read as device rows; the others are this
-        step's misses, which every rank knows alike (same selection, same directory): each
-        owner sends its own in one all-gather per layer (`staged_rows`). Returns (device rows,
-        ids into the gathered rows)."""
-        g, st = self.g, self.store
-        sh = st.shard
-        own = sh.owned(logical)
-        bslot = g.remote.slots_of(logical)
-        dev = torch.where(~own & (bslot >= 0), bslot + st.remote_base, dev)
-        miss = (logical >= 0) & (bslot < 0)
-        with st.timed("exchange"):
-            u = torch.unique(logical.masked_select(miss))  # sorted: the same on every rank
-            owner = u % sh.world
-            counts = torch.bincount(owner, minlength=sh.world)
-            width = int(counts.max()) if u.numel() else 0
-            # Each miss's place in the gathered rows: owner's block, then its rank among the
-            # owner's misses (ascending address).
-            first = torch.cumsum(counts, 0) - counts
-            order = torch.argsort(owner, stable=True)
-            within = torch.empty_like(u)
-            within[order] = torch.arange(u.numel(), device=u.device) - first[owner[order]]
-            index = owner * width + within
-            need = miss & ~own
-            ids = torch.full_like(logical, -1)
-            if bool(need.any()):
-                ids[need] = index.index_select(0, torch.searchsorted(u, logical[need]))
-            mine = u[owner == sh.rank] // sh.world  # local addresses this rank sends
-            if st.identity:
-                serve = (mine, None)
-            else:
-                d, h = self._locate(mine)
-                serve = (d, h if bool((h >= 0).any()) else None)
-        g.fetch_addrs, g.fetch_index, g.serve, g.width = u, index, serve, width
-        return dev, ids
-
-    def staged_rows(self, layer_name: str) -> list[torch.Tensor]:
-        g, st = self.g, self.store
-        out = []
-        if g.read_host:  # as `resolve` decided for this step's read
-            out.append(st.host_rows[layer_name])
-        if st.shard is not None and not st.replicas:
-            out.append(self._fetch_rows(layer_name))
-        return out
-
-    def _fetch_rows(self, layer_name: str) -> torch.Tensor:
-        """This layer's rows of the group's misses: every owner contributes its own, padded to
-        the widest share, in one all-gather (skipped on every rank when nothing missed)."""
-        g, st = self.g, self.store
-        head = st.layout.mla_head_size
-        if g.width == 0:
-            return torch.empty(0, head, dtype=st.dtype, device=st.device)
-        d, h = g.serve
-        rb = st.layout.mla_row_bytes[layer_name]
-        with st.timed("exchange"):
-            mine = torch.zeros(g.width, rb, dtype=torch.uint8, device=st.device)
-            n = d.numel()
-            if n:
-                rows = st.device_bytes[layer_name].index_select(0, d.clamp(min=0))
-                if h is not None:
-                    hb = st.host_bytes[layer_name].index_select(0, h.clamp(min=0)).to(rows.device)
-                    rows = torch.where((h >= 0).unsqueeze(1), hb, rows)
-                mine[:n] = rows
-            got = st.exchange.all_gather(mine, "rows", st.layer_index[layer_name])
-        got = got.view(-1, rb)
-        g.fetched[layer_name] = got
-        others = g.fetch_addrs.numel() - n
-        st.counters.remote_rows_fetched += others
-        st.counters.remote_bytes_fetched += others * rb
-        return got.view(st.dtype).view(got.shape[0], head)

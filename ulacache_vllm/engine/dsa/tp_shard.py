@@ -91,3 +91,85 @@ class IndexerShard:
     # replicas(layer name): while the store keeps replicas, this layer's cache viewed with
     # whole blocks (score every key locally, no exchange), else None.
     replicas: object = None
+
+
+class ShardedRows:
+    """The TP shard mode half of `store.UlaWorkerStore` (mixed into it; every attribute is
+    the store's): the remote-row buffer's settle, and the switch between replicated rows
+    (while every live address fits one rank's pool) and shards."""
+
+    def _settle_remote(self, g: _Group, sel: torch.Tensor, freed: torch.Tensor | None) -> None:
+        """TP shard mode: the previous step's reads of ``g`` update the buffer directory the
+        same way on every rank (hits touched, fetched rows kept unless freed since); this rank
+        copies in the kept rows it does not own."""
+        sh = self.shard
+        sel = sel[sel >= 0]
+        rem = torch.unique(sel[~sh.owned(sel)])
+        self.counters.remote_lookups += rem.numel()
+        self.counters.remote_hits += int((g.remote.slots_of(rem) >= 0).sum())
+        fetched = g.fetch_addrs
+        if fetched is not None and freed is not None and fetched.numel():
+            fetched = fetched.masked_select(~torch.isin(fetched, freed))
+        keep, slots = g.remote.settle(sel, insertable=fetched)
+        mine = ~sh.owned(keep)
+        keep, slots = keep[mine], slots[mine]
+        if keep.numel():
+            pos = g.fetch_index.index_select(0, torch.searchsorted(g.fetch_addrs, keep))
+            rows = slots + self.remote_base
+            with self.timed("copy"):
+                for name in g.layers:
+                    self.device_bytes[name].index_copy_(
+                        0, rows, g.fetched[name].index_select(0, pos))
+
+    def replica_view(self, name: str) -> torch.Tensor | None:
+        """While replicated: indexer layer ``name``'s cache viewed with whole blocks
+        ([blocks, block_size, width], logical address = row), else None."""
+        if not self.replicas:
+            return None
+        t = self.indexer_caches[name]
+        bs, width = self.layout.block_size, t.shape[-1]
+        n = self.replica_limit // bs * bs
+        return t.view(-1)[: n * width].view(-1, bs, width)
+
+    def _end_replicas(self) -> None:
+        """Replicated rows -> shards, on every rank at the same step: this rank's tokens move
+        to their local addresses (device row and indexer key; local identity placement), the
+        others' rows are dropped."""
+        from .cpu_indexer import _cache_views
+
+        sh, bs = self.shard, self.layout.block_size
+        live = torch.nonzero(self.glive).flatten()
+        # (This step's new addresses are already marked live; those past the limit have no
+        # row yet and are placed by the step's writes.)
+        own = live[sh.owned(live) & (live < self.replica_limit)]
+        local = own // sh.world
+        with self.timed("copy"):
+            for name in self.layout.mla_layers:
+                d = self.device_bytes[name]
+                d.index_copy_(0, local, d.index_select(0, own))
+            for name in self.indexer_caches:
+                rv, rs = _cache_views(self.replica_view(name))
+                lv, ls = _cache_views(self.indexer_caches[name])
+                vals = rv[own // bs, own % bs].clone()
+                scales = rs[own // bs, own % bs].clone()
+                lbs = bs // sh.world
+                lv[local // lbs, local % lbs] = vals
+                ls[local // lbs, local % lbs] = scales
+        self.replicas = False
+        self.identity = True
+        self.live.zero_()
+        self.live.index_fill_(0, local, True)
+        self.counters.replica_exits += 1
+        for g in self.groups:
+            if g.write_key is not None:  # an earlier group's writes of this step: re-assign
+                key = g.write_key
+                g.write_key = None
+                self._prepare_writes(g, key)
+
+    def _start_replicas(self) -> None:
+        """Everything freed on every rank: back to replicated rows."""
+        self.replicas = True
+        self.identity = True
+        self.live.zero_()
+        for g in self.groups:
+            g.selected.clear()

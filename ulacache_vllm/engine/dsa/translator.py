@@ -1,0 +1,147 @@
+"""The forward half of the DSA worker contract, one `GroupTranslator` per layer group (the
+`KVTranslator` each of the group's sparse-MLA impls holds): writes to the device rows fixed
+before the forward; *resolve* the indexer's logical top-k through the committed mapping table
+(`TieredMapping.locate`) into device rows and host rows; in TP shard mode, remote rows from the
+buffer of recent ones or, for this step's misses, one all-gather per layer from their owners;
+*stage* the host and fetched rows beside the device rows for attention's gather. Fixed-shape
+tensor work, no moves, no host reads except the exchange's collective (module doc of `store`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .kv_translation import KVTranslator
+
+if TYPE_CHECKING:
+    from .store import UlaWorkerStore, _Group
+
+
+class GroupTranslator(KVTranslator):
+    """The forward half of the contract for one layer group (see the module doc)."""
+
+    def __init__(self, store: UlaWorkerStore, group: _Group):
+        self.store = store
+        self.g = group
+        self.trash_slot = store.trash_slot
+
+    def write_slots(self, layer_name: str, slot_mapping: torch.Tensor) -> torch.Tensor:
+        g = self.g
+        if g.write_key is not None and (
+                g.write_key is slot_mapping or (
+                    g.write_key.data_ptr() == slot_mapping.data_ptr()
+                    and g.write_key.shape == slot_mapping.shape)):
+            return g.write_rows
+        # Not in the pre-forward context (an MTP draft layer), or another layer of the group
+        # with a copy of the same slots: prepared here, inside the forward.
+        if g.write_key is None or not torch.equal(g.write_key.reshape(-1).long(),
+                                                  slot_mapping.reshape(-1).long()):
+            self.store._prepare_writes(g, slot_mapping)
+        return g.write_rows
+
+    def resolve(self, layer_name: str, logical: torch.Tensor, req_of_token: torch.Tensor | None):
+        g, st = self.g, self.store
+        # The group's first layer resolves (each forward pass, so a drafter's repeated passes
+        # in one step each resolve their own selection); the others reuse its result.
+        if layer_name != g.layers[0] and g.read_step == st.step:
+            return g.read
+        if st.trace.on:
+            st.trace.record(st.step, g.gid, "select", logical.reshape(-1),
+                       None if req_of_token is None else
+                       req_of_token.long().unsqueeze(1).expand_as(logical)[logical >= 0])
+        with st.timed("read"):
+            if st.replicas:  # every row is here, at its logical address
+                g.read_host = False
+                g.read = (logical, [])
+                g.read_step = st.step
+                return g.read
+            sh = st.shard
+            local = logical if sh is None else sh.local(logical)
+            staged = []
+            g.read_host = not st.identity and g.host_live
+            if st.identity:
+                dev = local
+            else:
+                dev, host = g.mapping.locate(local)
+                if g.read_host:
+                    staged.append(host)
+            if sh is not None or not st.identity:
+                g.selected.append(logical)
+            if sh is not None:
+                dev, fetch_ids = self._remote(logical, dev)
+                staged.append(fetch_ids)
+            g.read = (dev, staged)
+        g.read_step = st.step
+        return g.read
+
+    def _remote(self, logical: torch.Tensor, dev: torch.Tensor):
+        """TP shard mode: remote rows in the buffer read as device rows; the others are this
+        step's misses, which every rank knows alike (same selection, same directory): each
+        owner sends its own in one all-gather per layer (`staged_rows`). Returns (device rows,
+        ids into the gathered rows)."""
+        g, st = self.g, self.store
+        sh = st.shard
+        own = sh.owned(logical)
+        bslot = g.remote.slots_of(logical)
+        dev = torch.where(~own & (bslot >= 0), bslot + st.remote_base, dev)
+        miss = (logical >= 0) & (bslot < 0)
+        with st.timed("exchange"):
+            u = torch.unique(logical.masked_select(miss))  # sorted: the same on every rank
+            owner = u % sh.world
+            counts = torch.bincount(owner, minlength=sh.world)
+            width = int(counts.max()) if u.numel() else 0
+            # Each miss's place in the gathered rows: owner's block, then its rank among the
+            # owner's misses (ascending address).
+            first = torch.cumsum(counts, 0) - counts
+            order = torch.argsort(owner, stable=True)
+            within = torch.empty_like(u)
+            within[order] = torch.arange(u.numel(), device=u.device) - first[owner[order]]
+            index = owner * width + within
+            need = miss & ~own
+            ids = torch.full_like(logical, -1)
+            if bool(need.any()):
+                ids[need] = index.index_select(0, torch.searchsorted(u, logical[need]))
+            mine = u[owner == sh.rank] // sh.world  # local addresses this rank sends
+            if st.identity:
+                serve = (mine, None)
+            else:
+                d, h = g.mapping.locate(mine)
+                serve = (d, h if bool((h >= 0).any()) else None)
+        g.fetch_addrs, g.fetch_index, g.serve, g.width = u, index, serve, width
+        return dev, ids
+
+    def staged_rows(self, layer_name: str) -> list[torch.Tensor]:
+        g, st = self.g, self.store
+        out = []
+        if g.read_host:  # as `resolve` decided for this step's read
+            out.append(st.host_rows[layer_name])
+        if st.shard is not None and not st.replicas:
+            out.append(self._fetch_rows(layer_name))
+        return out
+
+    def _fetch_rows(self, layer_name: str) -> torch.Tensor:
+        """This layer's rows of the group's misses: every owner contributes its own, padded to
+        the widest share, in one all-gather (skipped on every rank when nothing missed)."""
+        g, st = self.g, self.store
+        head = st.layout.mla_head_size
+        if g.width == 0:
+            return torch.empty(0, head, dtype=st.dtype, device=st.device)
+        d, h = g.serve
+        rb = st.layout.mla_row_bytes[layer_name]
+        with st.timed("exchange"):
+            mine = torch.zeros(g.width, rb, dtype=torch.uint8, device=st.device)
+            n = d.numel()
+            if n:
+                rows = st.device_bytes[layer_name].index_select(0, d.clamp(min=0))
+                if h is not None:
+                    hb = st.host_bytes[layer_name].index_select(0, h.clamp(min=0)).to(rows.device)
+                    rows = torch.where((h >= 0).unsqueeze(1), hb, rows)
+                mine[:n] = rows
+            got = st.exchange.all_gather(mine, "rows", st.layer_index[layer_name])
+        got = got.view(-1, rb)
+        g.fetched[layer_name] = got
+        others = g.fetch_addrs.numel() - n
+        st.counters.remote_rows_fetched += others
+        st.counters.remote_bytes_fetched += others * rb
+        return got.view(st.dtype).view(got.shape[0], head)
