@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ulacache_vllm.core import RemoteRowBuffer
+from ulacache_vllm.core import RemoteRowBuffer, TokenShard
 
 import sys as _sys  # noqa: E402
 from pathlib import Path as _Path  # noqa: E402
@@ -46,7 +46,7 @@ def remote_demand(trace, P: int) -> int:
         u = sel.unique()
         u = u[u >= 0]
         # rank r reads all but its own share: the most for the rank owning the fewest
-        best = max(best, u.numel() - int(torch.bincount(u % P, minlength=P).min()))
+        best = max(best, u.numel() - min(int(TokenShard(r, P).owned(u).sum()) for r in range(P)))
     return best
 
 
@@ -54,6 +54,7 @@ def replay(trace, P: int, slots: int) -> dict:
     """Every rank replays the trace (one buffer per rank and layer group); returns mean rows
     fetched per step per rank with the buffer and without, and the buffer hit rate."""
     groups = sorted({st.group for st in trace.steps})
+    shards = [TokenShard(r, P) for r in range(P)]
     bufs = {(g, r): RemoteRowBuffer(trace.num_logical, slots, rank=r, world_size=P)
             for g in groups for r in range(P)}
     fetched = unbuffered = 0
@@ -74,9 +75,10 @@ def replay(trace, P: int, slots: int) -> dict:
         u = u[u >= 0]
         for r in range(P):
             b = bufs[st.group, r]
-            unbuffered += int((u % P != r).sum())
+            own = int(shards[r].owned(u).sum())
+            unbuffered += u.numel() - own
             # A step's misses are fetched (a buffer that cannot keep them all fetches again).
-            fetched += int((b.slots_of(u) < 0).sum()) - int((u % P == r).sum())
+            fetched += int((b.slots_of(u) < 0).sum()) - own
             b.settle(sel)
     n = max(1, len(steps)) * P
     hits = sum(b.stats.hits for b in bufs.values())

@@ -1,13 +1,14 @@
 """Triton kernels with torch reference implementations (importable as ulacache_vllm.kernels).
 
-What the product runs: logical -> public location translation (``translate``) and the
-round-label PB-LRU's hit detection + touch (``impl(labels).label_hit_touch``). Dispatch:
-tensors on CUDA use the Triton kernels (``pblru_kernels``, ``translate_kernels``; not
-``translate.py``: a submodule of that name would shadow the ``translate`` function); CPU
-tensors use ``reference``. ``ULACACHE_FORCE_TRITON=1`` forces Triton for CPU tensors (only
-meaningful with ``TRITON_INTERPRET=1``; the tests use it). The Triton modules are imported
-lazily so that ``TRITON_INTERPRET`` is read when they are first needed. (The lab's queue and
-bitmap PB-LRU kernels live in ``benchmarks/lab/queue_kernels*.py``.)
+What the product runs: the round-label PB-LRU's hit detection + touch
+(``impl(labels).label_hit_touch``) and the table helpers of ``reference`` (``compact``,
+``fill_at``, ``const``). Dispatch: tensors on CUDA use the Triton kernels (``pblru_kernels``);
+CPU tensors use ``reference``. ``ULACACHE_FORCE_TRITON=1`` forces Triton for CPU tensors (only
+meaningful with ``TRITON_INTERPRET=1``; the tests use it). The Triton module is imported
+lazily so that ``TRITON_INTERPRET`` is read when it is first needed. Reading the mapping
+table (device and host slots of addresses) is ``core.mapping.TieredMapping.locate``, plain
+tensor ops; token placement under TP shard mode is ``core.placement.TokenShard``. (The lab's
+queue and bitmap PB-LRU kernels live in ``benchmarks/lab/queue_kernels*.py``.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from . import reference
 
-__all__ = ["compact", "impl", "reference", "translate", "use_triton"]
+__all__ = ["compact", "impl", "reference", "use_triton"]
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -44,7 +45,3 @@ def impl(t: torch.Tensor):
     """The round-label PB-LRU's kernel module for tensors like ``t`` (Triton or the reference)."""
     return _mod("pblru_kernels") if use_triton(t) else reference
 
-
-def translate(addrs, table, rank: int, world: int, pub_rank: int | None = None):
-    return (_mod("translate_kernels") if use_triton(addrs) else reference).translate(
-        addrs, table, rank, world, pub_rank)

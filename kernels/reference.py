@@ -6,8 +6,8 @@ numpy views of CPU tensors (zero-copy): torch's CPU compares into bool are not v
 (~0.5 ns an element, 6x numpy's on 115k int32; its ``nonzero`` 3-4x numpy's ``flatnonzero``).
 Other devices use the torch ops.
 
-Mapping-table values (internal, rank-less) are ``-1`` for unmapped, else ``tier << 32 | slot``
-(tier 0 device, 1 host).
+Mapping-table values are ``-1`` for unmapped, else ``tier << 32 | slot`` (tier 0 device, 1
+host); ``core.mapping.TieredMapping.locate`` reads them.
 """
 
 from __future__ import annotations
@@ -19,10 +19,6 @@ import torch
 
 SLOT_BITS = 32
 SLOT_MASK = (1 << SLOT_BITS) - 1
-# Public packed location: tier << 48 | rank << 32 | slot (see core.mapping).
-PUB_TIER_SHIFT = 48
-PUB_RANK_SHIFT = 32
-TIER_REMOTE = 3
 
 
 def split_hits(loc_vals: torch.Tensor):
@@ -91,29 +87,6 @@ def const(value: int, n: int, device, dtype: torch.dtype = torch.int64) -> torch
 
 
 _FILL_SCATTER_MIN = 1024
-
-
-def translate(addrs: torch.Tensor, table: torch.Tensor, rank: int, world: int,
-              pub_rank: int | None = None) -> torch.Tensor:
-    """Logical address -> public packed location (``tier<<48 | rank<<32 | slot``), -1 for padding.
-
-    Addresses owned by another rank (``a % world != rank``) give tier REMOTE with the owner rank
-    and slot 0. ``pub_rank`` (default ``rank``)
-    is the rank written into local locations (DP ranks own everything but keep their id).
-    """
-    pub_rank = rank if pub_rank is None else pub_rank
-    shape = addrs.shape
-    addrs = addrs.reshape(-1).long()  # int32 addresses (vLLM's top-k indices) pack as int64 too
-    valid = addrs >= 0
-    a = torch.where(valid, addrs, torch.zeros_like(addrs))
-    owner = a % world
-    local = valid & (owner == rank)
-    v = table.index_select(0, torch.where(local, a // world, torch.zeros_like(a)))
-    mine = (v >> SLOT_BITS << PUB_TIER_SHIFT) | (pub_rank << PUB_RANK_SHIFT) | (v & SLOT_MASK)
-    mine = torch.where(v >= 0, mine, torch.full_like(v, -1))
-    remote = (TIER_REMOTE << PUB_TIER_SHIFT) | (owner << PUB_RANK_SHIFT)
-    out = torch.where(local, mine, remote)
-    return torch.where(valid, out, torch.full_like(out, -1)).view(shape)
 
 
 # ---------------------------------------------------------------- round labels (PB-LRU)

@@ -1,6 +1,6 @@
-"""The product's Triton kernels (translation, the round-label PB-LRU's hit + touch) vs their
-torch references, executed by the Triton interpreter on CPU; the reference's table helpers.
-The lab's queue / bitmap kernels: test_queue_kernels.py."""
+"""The product's Triton kernel (the round-label PB-LRU's hit + touch) vs its torch reference,
+executed by the Triton interpreter on CPU; the reference's table helpers. The lab's queue /
+bitmap kernels: test_queue_kernels.py."""
 
 import os
 
@@ -20,7 +20,6 @@ from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 from ulacache_vllm.kernels import reference as ref  # noqa: E402
 
 tk = importlib.import_module("ulacache_vllm.kernels.pblru_kernels")
-tt = importlib.import_module("ulacache_vllm.kernels.translate_kernels")
 
 
 @contextlib.contextmanager
@@ -35,8 +34,8 @@ def _compact_scan_min(n: int):
 
 
 def test_kernels_really_interpreted():
-    for fn in (tk._label_hit_touch_kernel, tt._translate_kernel):
-        assert isinstance(fn, InterpretedFunction), "Triton kernels would not run on CPU"
+    assert isinstance(tk._label_hit_touch_kernel, InterpretedFunction), \
+        "Triton kernels would not run on CPU"
 
 
 @settings(max_examples=30, deadline=None)
@@ -60,32 +59,6 @@ def _check_compact(seed, m, density, dtype):
     assert got.dtype == dtype and torch.equal(got, vals.masked_select(mask))
     ref.compact(vals.flip(0), mask.logical_not())  # reuses the scratch buffer
     assert torch.equal(got, keep)
-
-
-@settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10**6), n=st.integers(0, 600), world=st.integers(1, 4), data=st.data())
-def test_translate(seed, n, world, data):
-    rank = data.draw(st.integers(0, world - 1))
-    g = torch.Generator().manual_seed(seed)
-    num_local = 200
-    table = torch.randint(-1, 3, (num_local,), generator=g)
-    table = torch.where(table < 0, -1, (table << 32) | torch.randint(0, 1 << 20, (num_local,), generator=g))
-    addrs = torch.randint(-1, num_local * world, (n,), generator=g)
-    assert torch.equal(tt.translate(addrs, table, rank, world, 7),
-                       ref.translate(addrs, table, rank, world, 7))
-
-
-def test_translate_int32_and_2d_addresses():
-    """vLLM's top-k indices are int32: remote / local packing must not depend on the width
-    (an int32 remote address used to pack as device slot 0 of rank 0 on the torch path, and
-    the kernel overflowed); a 2-D batch keeps its shape on both paths."""
-    table = torch.tensor([7, 8, 9], dtype=torch.int64)
-    a64 = torch.tensor([[0, 1], [2, 3]], dtype=torch.int64)
-    expect = ref.translate(a64, table, 0, 2)
-    assert expect.shape == (2, 2) and int(expect[0, 1]) >> 48 == 3  # REMOTE tier
-    for fn in (ref.translate, tt.translate):
-        assert torch.equal(fn(a64.to(torch.int32), table, 0, 2), expect)
-        assert torch.equal(fn(a64, table, 0, 2), expect)
 
 
 @settings(max_examples=25, deadline=None)
@@ -179,7 +152,8 @@ def test_mapping_same_with_triton_path(monkeypatch, lru):
         monkeypatch.setenv("ULACACHE_FORCE_TRITON", force)
         m = TieredMapping(tr.num_logical, pool, tr.num_logical, lru=factory(lru), ring_size=3)
         replay(tr, {0: m})
-        outs.append((m.stats.hits, m.stats.promotions, m.resolve(torch.arange(tr.num_logical))))
+        outs.append((m.stats.hits, m.stats.promotions,
+                     torch.stack(m.locate(torch.arange(tr.num_logical)))))
     assert outs[0][0] == outs[1][0] and outs[0][1] == outs[1][1]
     assert torch.equal(outs[0][2], outs[1][2])
     assert outs[0][1] > 0, "trace too small to exercise victim selection"

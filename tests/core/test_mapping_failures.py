@@ -6,8 +6,9 @@ import torch
 
 from lab.policies import NAMES as POLICIES
 from lab.policies import factory
+from _locations import located, tier_and_slot
 from lab.row_store import RowStore
-from ulacache_vllm.core import DEVICE, HOST, CapacityError, TieredMapping, unpack
+from ulacache_vllm.core import DEVICE, HOST, CapacityError, TieredMapping, TokenShard
 
 
 def _filled(lru, n_dev, n_host, n_entries, store=None):
@@ -33,7 +34,7 @@ def _same(a, b):
 
 
 def _values(m, store, addrs):
-    t, _, s = unpack(m.resolve(torch.tensor(addrs)))
+    t, s = tier_and_slot(m, addrs)
     assert set(t.tolist()) <= {DEVICE, HOST}, t
     return torch.where(t == DEVICE, store.bufs[DEVICE][s.clamp(0, store.bufs[DEVICE].shape[0] - 1), 0],
                        store.bufs[HOST][s.clamp(0, store.bufs[HOST].shape[0] - 1), 0]).tolist()
@@ -47,7 +48,7 @@ def test_failed_reassign_keeps_the_old_entries(lru):
     with pytest.raises(CapacityError):
         m.assign(torch.tensor([0, 5]))  # re-assign 0 (its slot is reused) + one more: no room
     assert _same(before, _snapshot(m))
-    t, _, _ = unpack(m.resolve(torch.tensor([0, 1])))
+    t, _ = tier_and_slot(m, [0, 1])
     assert t.tolist() == [DEVICE, DEVICE]
     m.advance_round()
     slots, plan = m.assign(torch.tensor([0, 5]))  # next round it fits, 0 keeps a slot
@@ -86,19 +87,19 @@ def test_one_plan_at_a_time_and_copy_before_commit(lru):
     committed table shows the plan's entries where their rows still are, and it is updated
     only after every copy."""
     m, store = _filled(lru, 4, 8, 8)  # 4-7 on the device, 0-3 on the host
-    before = m.resolve(torch.arange(8))
+    before = located(m, torch.arange(8))
     _, plan = m.ensure_resident(torch.tensor([0]))  # promote 0, demote the oldest of 4-7
     assert not plan.empty and plan.state == "planned"
     for call in (lambda: m.assign(torch.tensor([9])), lambda: m.ensure_resident(torch.tensor([1])),
                  lambda: m.free(torch.tensor([0])), lambda: m.adopt([9], [0])):
         with pytest.raises(RuntimeError, match="outstanding"):
             call()
-    assert torch.equal(m.resolve(torch.arange(8)), before)
+    assert torch.equal(located(m, torch.arange(8)), before)
     assert _values(m, store, list(range(8))) == [100 + a for a in range(8)]
     seen = []
 
     def copy(*a):
-        seen.append(torch.equal(m.resolve(torch.arange(8)), before))  # not committed yet
+        seen.append(torch.equal(located(m, torch.arange(8)), before))  # not committed yet
         store.copy_fn(*a)
 
     m.advance_round()  # the policy alone: allowed
@@ -107,7 +108,7 @@ def test_one_plan_at_a_time_and_copy_before_commit(lru):
     assert torch.equal(m.loc, m.visible)
     assert _values(m, store, list(range(8))) == [100 + a for a in range(8)]
     assert plan.apply(copy) is plan and len(seen) == 2  # applied once only
-    t, _, _ = unpack(m.resolve(torch.tensor([0])))
+    t, _ = tier_and_slot(m, [0])
     assert t.tolist() == [DEVICE]
     m.free(torch.tensor([0]))
 
@@ -133,7 +134,7 @@ def test_failed_copy_drops_the_plans_entries(lru, fail_at):
         plan.apply(flaky)
     assert plan.state == "dropped" and m.stats.lost == len(moved) == 4
     assert plan.apply(store.copy_fn) is plan and plan.state == "dropped"
-    t, _, _ = unpack(m.resolve(torch.arange(8)))
+    t, _ = tier_and_slot(m, torch.arange(8))
     kept = [a for a in range(8) if a not in moved]
     assert all(t[a] == -1 for a in moved) and all(t[a] in (DEVICE, HOST) for a in kept)
     assert torch.equal(m.loc, m.visible)
@@ -160,14 +161,25 @@ def test_apply_refuses_another_mappings_plan():
 
 
 def test_tp_rank_that_owns_nothing():
-    m = TieredMapping(2, 2, 2, placement="tp", rank=2, world_size=3)
-    slots, plan = m.assign(torch.tensor([0, 1, -1]))
-    assert slots.tolist() == [-1, -1, -1] and plan.empty
-    slots, _ = m.ensure_resident(torch.tensor([0, -1]))
+    """Two addresses over three ranks: rank 2 owns none (a mapping of no entries); whatever it
+    is given maps to padding there, and the addresses are owned by ranks 0 and 1."""
+    shard = TokenShard(2, 3)
+    assert shard.local_count(2) == 0
+    m = TieredMapping(shard.local_count(2), 2, 2)
+    addrs = torch.tensor([0, 1, -1])
+    local = shard.local(addrs)
+    assert local.tolist() == [-1, -1, -1]
+    assert [[r for r in range(3) if TokenShard(r, 3).owned(torch.tensor([a])).item()]
+            for a in (0, 1, -1)] == [[0], [1], []]
+    slots, plan = m.assign(local)
+    assert slots.tolist() == [-1, -1, -1] and plan.empty and m.device_used == 0
+    slots, _ = m.ensure_resident(shard.local(torch.tensor([0, -1])))
     assert slots.tolist() == [-1, -1]
-    t, r, _ = unpack(m.resolve(torch.tensor([0, 1, -1])))
-    assert t[:2].tolist() == [3, 3] and r[:2].tolist() == [0, 1] and t[2] == -1
-    assert m.free(torch.tensor([0])) == 0
+    t, s = tier_and_slot(m, local)
+    assert t.tolist() == [-1, -1, -1] and s.tolist() == [-1, -1, -1]
+    assert m.free(shard.local(torch.tensor([0]))) == 0
+    with pytest.raises(KeyError):  # nothing of its own to map
+        m.assign(torch.tensor([0]))
 
 
 def test_slots_keep_the_input_shape():
@@ -176,7 +188,16 @@ def test_slots_keep_the_input_shape():
     slots, plan = m.assign(a)
     assert slots.shape == (2, 3)
     slots2, _ = m.ensure_resident(a)
-    assert torch.equal(slots, slots2) and m.resolve(a).shape == (2, 3)
+    assert torch.equal(slots, slots2)
+    dev, host = m.locate(a)
+    assert dev.shape == host.shape == (2, 3)
+    assert torch.equal(dev, slots) and (host == -1).all()
+    # int32 addresses (vLLM's top-k indices), padding among them: the same locations.
+    a32 = torch.tensor([[0, -1, 5], [7, 2, -1]], dtype=torch.int32)
+    d32, h32 = m.locate(a32)
+    d64, h64 = m.locate(a32.long())
+    assert d32.shape == (2, 3) and torch.equal(d32.long(), d64) and torch.equal(h32.long(), h64)
+    assert d64.tolist() == [[int(slots[0, 0]), -1, int(slots[1, 2])], [-1, int(slots[0, 2]), -1]]
 
 
 def test_reassign_refuses_entries_of_an_unapplied_plan():
@@ -191,7 +212,7 @@ def test_reassign_refuses_entries_of_an_unapplied_plan():
 def test_addresses_past_the_address_space():
     m, store = _filled("pblru", 4, 8, 8)  # num_logical 64
     before = _snapshot(m)
-    for call in (m.assign, m.ensure_resident, m.resolve):
+    for call in (m.assign, m.ensure_resident):
         with pytest.raises(KeyError, match=r"\[64, 70\].*\[0, 64\)"):
             call(torch.tensor([1, 64, 70, -1]))
     assert _same(before, _snapshot(m))
@@ -199,10 +220,13 @@ def test_addresses_past_the_address_space():
     assert m.free(torch.tensor([1, 64])) == 1
     with pytest.raises(TypeError, match="integers"):
         m.ensure_resident(torch.tensor([1.0]))
+    before = _snapshot(m)
     for junk in (["a"], None, [None]):
-        with pytest.raises(TypeError, match="integers"):
-            m.resolve(junk)
-    assert m.resolve([2, 3]).shape == (2,)  # plain lists are accepted
+        for call in (m.assign, m.ensure_resident):
+            with pytest.raises(TypeError, match="integers"):
+                call(junk)
+    assert _same(before, _snapshot(m))
+    assert m.ensure_resident([4, 5])[0].shape == (2,)  # plain lists are accepted
 
 
 def test_unsigned_and_python_addresses_past_int64():
@@ -213,13 +237,13 @@ def test_unsigned_and_python_addresses_past_int64():
     m, store = _filled("pblru", 4, 8, 8)
     before = _snapshot(m)
     for big in (np.array([2**63], dtype=np.uint64), torch.tensor([2**63 + 5], dtype=torch.uint64)):
-        for call in (m.assign, m.ensure_resident, m.resolve):
+        for call in (m.assign, m.ensure_resident):
             with pytest.raises(KeyError, match="past int64"):
                 call(big)
     assert _same(before, _snapshot(m))
     assert m.free(np.array([1, 2**64 - 1], dtype=np.uint64)) == 1
     assert m.free([2, 2**63, -(2**70)]) == 1
-    assert m.resolve([1, 2]).tolist() == [-1, -1]
+    assert [x.tolist() for x in tier_and_slot(m, [1, 2])] == [[-1, -1], [-1, -1]]  # freed
     assert m.ensure_resident(np.array([3], dtype=np.uint64))[0].numel() == 1  # small ones work
 
 

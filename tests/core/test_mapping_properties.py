@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 
 from lab import pblru_queue as pblru_mod
 from lab.policies import factory
+from _locations import located, tier_and_slot
 from lab.row_store import RowStore
-from ulacache_vllm.core import DEVICE, HOST, CapacityError, TieredMapping, unpack
+from ulacache_vllm.core import DEVICE, HOST, CapacityError, TieredMapping, TokenShard
 from ulacache_vllm.core import pblru as labels_mod
 
 POLICIES = ["pblru", "pblru_queue", "pblru_bitmap", "exact_ts", "exact_list"]
@@ -36,7 +37,7 @@ def check_invariants(m: TieredMapping, store: RowStore, live: dict):
     assert torch.equal(m.loc, m.visible), "no plan outstanding: the tables agree"
     if not live:
         return
-    t, r, s = unpack(m.resolve(addrs))
+    t, s = tier_and_slot(m, addrs)
     assert set(t.tolist()) <= {DEVICE, HOST}, "a live entry is missing"
     key = t * (1 << 40) + s
     assert key.unique().numel() == len(live), "two live entries share a slot"
@@ -119,7 +120,7 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
             addrs = torch.cat(parts)  # duplicates + padding on purpose
             before = _dev_slots_of(m, round_touched)
             uniq = set(addrs.tolist()) - {-1}
-            t0, _, _ = unpack(m.resolve(torch.tensor(sorted(uniq))))
+            t0, _ = tier_and_slot(m, sorted(uniq))
             hits = {a for a, t in zip(sorted(uniq), t0.tolist()) if t == DEVICE}
             try:
                 slots, plan = m.ensure_resident(addrs)
@@ -134,7 +135,7 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
             assert (slots[addrs < 0] == -1).all()
             plan.apply(store.copy_fn)
             ok = addrs >= 0
-            t, _, s = unpack(m.resolve(addrs[ok]))
+            t, s = tier_and_slot(m, addrs[ok])
             assert (t == DEVICE).all() and torch.equal(s, slots[ok])
             round_touched |= set(addrs[ok].tolist())
         elif o[0] == "advance":
@@ -160,14 +161,14 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
 def _dev_slots_of(m, addrs):
     if not addrs:
         return set()
-    t, _, s = unpack(m.resolve(torch.tensor(sorted(addrs))))
+    t, s = tier_and_slot(m, sorted(addrs))
     return set(s[t == DEVICE].tolist())
 
 
 @settings(max_examples=25, deadline=None)
 @given(lru=st.sampled_from(POLICIES), n_dev=st.integers(2, 16), seed=st.integers(0, 10**6))
-def test_resolve_commits_after_the_copies(lru, n_dev, seed):
-    """Until a plan's copies are done, resolve shows the old locations (whose rows are still
+def test_locate_commits_after_the_copies(lru, n_dev, seed):
+    """Until a plan's copies are done, locate shows the old locations (whose rows are still
     there); after ``apply``, the new ones."""
     g = torch.Generator().manual_seed(seed)
     n = 3 * n_dev
@@ -179,22 +180,22 @@ def test_resolve_commits_after_the_copies(lru, n_dev, seed):
         store.write(DEVICE, slots, torch.tensor([a]))
         m.advance_round()
     sel = torch.randperm(n, generator=g)[: n_dev]
-    before = m.resolve(sel)
+    before = located(m, sel)
+    t0, s0 = tier_and_slot(m, sel)
     seen = []
 
     def copy(*args):
-        seen.append(torch.equal(m.resolve(sel), before))
+        seen.append(torch.equal(located(m, sel), before))
         store.copy_fn(*args)
 
     slots, plan = m.ensure_resident(sel)
-    assert torch.equal(m.resolve(sel), before)
-    t0, _, s0 = unpack(before)
+    assert torch.equal(located(m, sel), before)
     old = torch.where(t0 == DEVICE, store.bufs[DEVICE][s0.clamp(0, n_dev - 1), 0],
                       store.bufs[HOST][s0.clamp(0, n - 1), 0])
     assert torch.equal(old, sel), "the old locations' rows must still be there"
     plan.apply(copy)
     assert all(seen) and (len(seen) > 0) == (not plan.empty)
-    t, _, s = unpack(m.resolve(sel))
+    t, s = tier_and_slot(m, sel)
     assert (t == DEVICE).all() and torch.equal(s, slots)
     assert torch.equal(store.bufs[DEVICE][s, 0], sel)
 
@@ -212,7 +213,7 @@ def test_staging_when_host_full():
     slots, plan = m.ensure_resident(torch.arange(4))
     assert plan.num_staged == 4 and m.stats.staged == 4
     plan.apply(store.copy_fn)
-    t, _, s = unpack(m.resolve(torch.arange(8)))
+    t, s = tier_and_slot(m, torch.arange(8))
     assert (t[:4] == DEVICE).all() and (t[4:] == HOST).all()
     vals = torch.where(t == DEVICE, store.bufs[DEVICE][s, 0], store.bufs[HOST][s, 0])
     assert torch.equal(vals, 100 + torch.arange(8))
@@ -237,26 +238,69 @@ def test_capacity_error_and_unassigned():
 
 
 def test_tp_placement():
-    P = 4
-    maps = [TieredMapping(100, 8, 32, placement="tp", rank=r, world_size=P) for r in range(P)]
+    """TP shard mode: each rank maps the addresses TokenShard gives it (local ``a // P``) in a
+    mapping of ``local_count(N)`` entries; every address is on exactly one rank."""
+    P, N = 4, 100
+    shards = [TokenShard(r, P) for r in range(P)]
+    maps = [TieredMapping(s.local_count(N), 8, 32) for s in shards]
+    assert [m.num_logical for m in maps] == [25] * P
     addrs = torch.arange(20)
-    for r, m in enumerate(maps):
-        slots, plan = m.assign(addrs)
-        assert ((slots >= 0) == (addrs % P == r)).all()
+    assert (torch.stack([s.owned(addrs) for s in shards]).sum(0) == 1).all()
+    probe = torch.tensor([0, 1, 2, 3, -1])
+    for r, (shard, m) in enumerate(zip(shards, maps)):
+        slots, plan = m.assign(shard.local(addrs))
+        assert plan.empty and ((slots >= 0) == (addrs % P == r)).all()
         assert m.device_used == 5
-        t, rk, s = unpack(m.resolve(torch.tensor([0, 1, 2, 3, -1])))
-        assert rk[:4].tolist() == [0, 1, 2, 3] and rk[4] == -1
-        assert t[r] == DEVICE and all(t[i] == 3 for i in range(4) if i != r)
-        m.free(addrs)
+        t, s = tier_and_slot(m, shard.local(probe))
+        assert t.tolist() == [DEVICE if i == r else -1 for i in range(4)] + [-1]
+        assert s[r] == slots[r] and (s[torch.arange(5) != r] == -1).all()
+        m.free(shard.local(addrs))
         assert m.device_used == 0
-    # Ranks are packed in 16 bits: a larger world is refused, not silently mislabelled.
-    top = (1 << 16) - 1
-    last = TieredMapping(70000, 8, 8, placement="tp", rank=top, world_size=1 << 16)
-    last.assign(torch.tensor([top]))
-    t, rk, _ = unpack(last.resolve(torch.tensor([top, 0])))
-    assert rk.tolist() == [top, 0] and t.tolist() == [DEVICE, 3]
-    with pytest.raises(ValueError, match="65536"):
-        TieredMapping(100, 8, 8, placement="tp", rank=1 << 16, world_size=(1 << 16) + 1)
+    # Local addresses stop at local_count(N): the last address of the space maps, one past it
+    # is refused (the mapping validates what it is given).
+    last = shards[(N - 1) % P]
+    m = maps[(N - 1) % P]
+    assert last.local(torch.tensor([N - 1])).item() == m.num_logical - 1
+    m.assign(last.local(torch.tensor([N - 1])))
+    with pytest.raises(KeyError):
+        m.assign(last.local(torch.tensor([N - 1 + P])))
+
+
+@settings(max_examples=60, deadline=None)
+@given(P=st.integers(1, 9), N=st.integers(0, 120))
+def test_token_shard_rule(P, N):
+    """TokenShard: ``a`` is owned by rank ``a % P`` only, at local address ``a // P``; -1
+    padding (and any negative address) is never owned; ``local_count(N)`` is how many of
+    0..N-1 a rank owns, and its local addresses are exactly 0..local_count(N)-1."""
+    addrs = torch.arange(-3, N)
+    owners = torch.zeros(addrs.shape, dtype=torch.int64)
+    for r in range(P):
+        s = TokenShard(r, P)
+        own, loc = s.owned(addrs), s.local(addrs)
+        want = [a >= 0 and a % P == r for a in addrs.tolist()]
+        assert own.tolist() == want
+        assert loc.tolist() == [a // P if w else -1 for a, w in zip(addrs.tolist(), want)]
+        assert s.local_count(N) == sum(want)
+        assert loc[own].tolist() == list(range(s.local_count(N)))
+        owners += own
+        # int32 addresses (vLLM's top-k indices) and batch shapes: the same answers.
+        a32 = addrs.to(torch.int32)
+        assert torch.equal(s.owned(a32), own) and s.local(a32).tolist() == loc.tolist()
+        two_d = addrs[: (addrs.numel() // 2) * 2].reshape(2, -1)
+        assert s.local(two_d).shape == two_d.shape
+        assert s.local(two_d).reshape(-1).tolist() == loc[: two_d.numel()].tolist()
+    assert (owners[addrs >= 0] == 1).all() and (owners[addrs < 0] == 0).all()
+    assert sum(TokenShard(r, P).local_count(N) for r in range(P)) == N
+
+
+def test_token_shard_refuses_a_rank_outside_the_world():
+    for rank, world in ((4, 4), (-1, 4), (0, 0), (5, 2)):
+        with pytest.raises(ValueError, match="outside a world"):
+            TokenShard(rank, world)
+    # No packed rank field any more: any world size works.
+    big = TokenShard(70000, 70001)
+    assert big.local(torch.tensor([70000, 0, 140001, -1])).tolist() == [0, -1, 1, -1]
+    assert big.local_count(70000) == 0 and big.local_count(70001) == 1
 
 
 def test_pblru_default_queue_capacity_fits_int32_positions():
@@ -472,7 +516,9 @@ def test_small_pool_threshold_is_read_when_a_policy_is_built(monkeypatch):
         assert make_policy(name, 50, "cpu", small_pool_slots=0).victim_path == own  # arg wins
     assert TieredMapping(64, 100, 8, lru=factory("pblru_queue")).policy.victim_path == "scan"
     assert TieredMapping(64, 100, 8, lru="pblru").policy.victim_path == "scan"
-    assert not hasattr(make_policy("exact_ts", 10, "cpu"), "victim_path")  # baselines: as is
+    # A policy with one way of finding victims reports its name (EvictionPolicy.victim_path).
+    assert make_policy("exact_ts", 10, "cpu").victim_path == "exact_ts"
+    assert make_policy("exact_list", 10, "cpu").victim_path == "exact_list"
     monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "lots")
     with pytest.raises(ValueError, match="ULACACHE_PBLRU_SMALL_POOL_SLOTS must be an integer"):
         make_policy("pblru_queue", 10, "cpu")

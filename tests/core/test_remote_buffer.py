@@ -1,6 +1,7 @@
-"""TP mode end to end in the core: token-sharded tiered mappings plus each rank's buffer of
-recently fetched remote rows, on real row tensors (every read checked against what was
-written for that logical address, also after addresses are freed and reused)."""
+"""TP mode end to end in the core: token-sharded tiered mappings (TokenShard gives each rank its
+addresses and their local addresses) plus each rank's buffer of recently fetched remote rows,
+on real row tensors (every read checked against what was written for that logical address,
+also after addresses are freed and reused)."""
 
 import pytest
 import torch
@@ -9,20 +10,22 @@ from hypothesis import strategies as st
 
 from lab.policies import NAMES as POLICIES
 from lab.policies import factory
+from _locations import tier_and_slot
 from lab.row_store import RowStore
-from ulacache_vllm.core import DEVICE, HOST, RemoteRowBuffer, TieredMapping, unpack
+from ulacache_vllm.core import DEVICE, HOST, RemoteRowBuffer, TieredMapping, TokenShard
 
 
 class Cluster:
-    """P simulated TP ranks: rank r owns entries t % P == r (rows in its mapping's tiers) and
-    buffers the remote rows it reads (hits from the buffer; misses read from their owner
-    during the step and kept by ``settle`` between steps, as the worker store does)."""
+    """P simulated TP ranks: rank r owns entries t % P == r (``TokenShard``; rows in its
+    mapping's tiers, at local address t // P) and buffers the remote rows it reads (hits from
+    the buffer; misses read from their owner during the step and kept by ``settle`` between
+    steps, as the worker store does)."""
 
     def __init__(self, P, N, dev, host, buf, lru):
         self.P, self.N = P, N
-        self.maps = [TieredMapping(N, dev, host, placement="tp", rank=r, world_size=P,
-                                   lru=factory(lru))
-                     for r in range(P)]
+        self.shards = [TokenShard(r, P) for r in range(P)]
+        self.maps = [TieredMapping(s.local_count(N), dev, host, lru=factory(lru))
+                     for s in self.shards]
         self.stores = [RowStore(dev, host) for _ in range(P)]
         self.bufs = [RemoteRowBuffer(N, buf, rank=r, world_size=P, lru=factory(lru))
                      for r in range(P)]
@@ -32,7 +35,8 @@ class Cluster:
         self.fetched = 0
 
     def _read_owned(self, r, addrs):
-        t, _, s = unpack(self.maps[r].resolve(addrs))
+        assert bool(self.shards[r].owned(addrs).all()), "read from a rank that does not own it"
+        t, s = tier_and_slot(self.maps[r], self.shards[r].local(addrs))
         assert set(t.tolist()) <= {DEVICE, HOST}, "an owner's row is missing"
         out = torch.empty(addrs.numel(), dtype=torch.int64)
         for tier in (DEVICE, HOST):
@@ -43,17 +47,20 @@ class Cluster:
 
     def _fetch(self, r, addrs):
         out = torch.empty(addrs.numel(), dtype=torch.int64)
-        owners = addrs % self.P
-        for o in owners.unique().tolist():
-            assert o != r, "a rank fetched a row it owns"
-            sel = owners == o
-            out[sel] = self._read_owned(o, addrs[sel])
+        assert not bool(self.shards[r].owned(addrs).any()), "a rank fetched a row it owns"
+        done = torch.zeros(addrs.shape, dtype=torch.bool)
+        for o, shard in enumerate(self.shards):
+            sel = shard.owned(addrs)
+            if sel.any():
+                out[sel] = self._read_owned(o, addrs[sel])
+            done |= sel
+        assert bool(done.all()), "an address without an owner"
         self.fetched += addrs.numel()
         return out
 
     def append(self, addrs):
         for r in range(self.P):
-            slots, plan = self.maps[r].assign(addrs)
+            slots, plan = self.maps[r].assign(self.shards[r].local(addrs))
             self.maps[r].apply(plan, self.stores[r].copy_fn)
             own = slots >= 0
             vals = torch.arange(self.version, self.version + addrs.numel())
@@ -65,7 +72,7 @@ class Cluster:
 
     def free(self, addrs):
         for r in range(self.P):
-            self.maps[r].free(addrs)
+            self.maps[r].free(self.shards[r].local(addrs))
             self.bufs[r].invalidate(addrs)
         for a in addrs.tolist():
             self.value.pop(a, None)
@@ -74,10 +81,11 @@ class Cluster:
         """Rank r reads the rows of ``addrs``: its own through its mapping, buffered remote
         rows from its buffer, the other remote rows from their owners; then settles."""
         m, b = self.maps[r], self.bufs[r]
-        slots, plan = m.ensure_resident(addrs)
+        slots, plan = m.ensure_resident(self.shards[r].local(addrs))
         m.apply(plan, self.stores[r].copy_fn)
         bslots = b.slots_of(addrs)
         own = slots >= 0
+        assert torch.equal(own, self.shards[r].owned(addrs))
         remote = (addrs >= 0) & ~own
         hit = remote & (bslots >= 0)
         miss = remote & (bslots < 0)
@@ -191,11 +199,31 @@ def test_only_insertable_misses_are_kept_and_owned_or_padding_are_ignored():
     assert b.table.dtype == torch.int32  # 4 bytes per logical token
 
 
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_buffer_ownership_is_token_shards(P):
+    """A rank's buffer keeps exactly the in-range addresses TokenShard says it does not own
+    (padding and addresses past the space never); replicated, every in-range address."""
+    N = 30
+    addrs = torch.arange(-2, N + 3)
+    in_range = (addrs >= 0) & (addrs < N)
+    for r in range(P):
+        shard = TokenShard(r, P)
+        b = RemoteRowBuffer(N, 64, rank=r, world_size=P)
+        assert b.shard == shard
+        keep, _ = b.settle(addrs)
+        assert keep.tolist() == addrs[in_range & ~shard.owned(addrs)].tolist()
+        assert torch.equal(b.slots_of(addrs) >= 0, in_range & ~shard.owned(addrs))
+        rep = RemoteRowBuffer(N, 64, rank=r, world_size=P, replicated=True)
+        keep, _ = rep.settle(addrs)
+        assert keep.tolist() == addrs[in_range].tolist()
+
+
 def test_bad_input():
     with pytest.raises(ValueError):
         RemoteRowBuffer(16, 0, rank=0, world_size=2)
-    with pytest.raises(ValueError):
-        RemoteRowBuffer(16, 4, rank=2, world_size=2)
+    for rank, world in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="outside a world"):
+            RemoteRowBuffer(16, 4, rank=rank, world_size=world)
     b = RemoteRowBuffer(16, 4, rank=0, world_size=2)
     assert b.invalidate(torch.tensor([99, -1])) == 0
     assert b.slots_of(torch.tensor([99, -1, 1])).tolist() == [-1, -1, -1]
