@@ -185,6 +185,7 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
         # Stock: the identity. Under ulacache the worker store sets this layer's translator
         # when it takes over the KV caches; until then there is none, and a forward raises.
         self.translator: KVTranslator | None = None if _under_ulacache() else IDENTITY
+        self.layer_name = ""  # set with the translator (the worker store's registration)
         self.dcp_world_size = 1
         self.cp_kv_cache_interleave_size = 1
         self.init_topk_indices_buffer(indexer, topk_indices_buffer)
@@ -210,7 +211,7 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
             return
         n = slot_mapping.shape[0]
         translator = self._translator()
-        slots = translator.write_slots(self._layer_name, slot_mapping).reshape(-1).long()
+        slots = translator.write_slots(self.layer_name, slot_mapping).reshape(-1).long()
         rows, stride_rows = flat_rows(kv_cache)
         phys = slots_to_rows(slots, kv_cache.shape[1], stride_rows)
         kv_c = kv_c_normed[:n]
@@ -242,10 +243,10 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
         # resolve -> stage -> attend: device rows through the table; host rows (if any may be
         # read) and fetched remote rows (TP shard mode) are gathered beside them by the
         # attention's own gather.
-        dev, staged = translator.resolve(self._layer_name, logical,
+        dev, staged = translator.resolve(self.layer_name, logical,
                                          attn_metadata.req_id_per_token[:num_tokens])
         rows = slots_to_rows(dev, bs, stride_rows)
-        sources = translator.staged_rows(self._layer_name)
+        sources = translator.staged_rows(self.layer_name)
         return sparse_mla_attention(q, kv_rows, rows, self.scale, self.kv_lora_rank,
                                     staged=list(zip(staged, sources)))
 
@@ -253,14 +254,11 @@ class CpuSparseMLAImpl(MLAAttentionImpl[CpuSparseMLAMetadata], SharedTopkIndices
         t = self.translator
         if t is None:
             raise RuntimeError(
-                f"ulacache: sparse-MLA layer {getattr(self, 'layer_name', '') or '?'} has no KV translator: the "
+                f"ulacache: sparse-MLA layer {self.layer_name or '?'} has no KV translator: the "
                 "worker store did not register this layer's KV cache (its rows would be read "
                 "from the wrong slots). This is a bug in the ulacache wiring; please report it.")
         return t
 
-    @property
-    def _layer_name(self) -> str:
-        return getattr(self, "layer_name", "")
 
 
 def _under_ulacache() -> bool:

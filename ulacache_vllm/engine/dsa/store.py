@@ -46,6 +46,8 @@ tables (in place, nothing moves) and the store stays mapped until every entry is
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -59,10 +61,12 @@ from ulacache_vllm.core.remote_buffer import RemoteRowBuffer
 
 from ..config import UlaSettings
 from ..faults import MoveFaults
-from .sizing import UlaLayout
 from .tp_shard import IndexerShard, ShardedRows, TokenShard, TPExchange
 from .trace import StepTrace
 from .translator import GroupTranslator
+
+if TYPE_CHECKING:
+    from .sizing import UlaLayout
 
 logger = init_logger("vllm.ulacache.worker_store")
 

@@ -4,13 +4,17 @@ its pre-forward contract each step, and reports its counters and pools.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vllm.logger import init_logger
 
 from ..config import UlaSettings, trace_file_for
 from ..line import LineWorker
 from ..metrics import UlaStats, per_rank_gauges
-from .sizing import UlaLayout
 from .store import UlaWorkerStore
+
+if TYPE_CHECKING:
+    from .sizing import UlaLayout
 
 logger = init_logger("vllm.ulacache.dsa")
 STATS_EVERY = 32  # steps between connector stats when nothing moved
