@@ -70,6 +70,39 @@ class TinyModels:
         return self("deepseek_v3", weights_from=dsa_model)
 
 
+# Process-environment flags that only some test modules may set, and only inside a block or
+# fixture that puts the previous value back (engine, server and lm-eval subprocesses inherit
+# this process's environment): a module that sets one at import leaks it to every test
+# collected or run after it. TRITON_INTERPRET: tests/core/_triton_interpreter.py.
+SCOPED_ENV_FLAGS = ("TRITON_INTERPRET",)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """Importing a test module (collecting it) must leave ``SCOPED_ENV_FLAGS`` as they were:
+    otherwise the module's collection fails, naming the flag, and the flag is put back."""
+    if not isinstance(collector, pytest.Module):
+        yield
+        return
+    before = {k: os.environ.get(k) for k in SCOPED_ENV_FLAGS}
+    outcome = yield
+    changed = [k for k, v in before.items() if os.environ.get(k) != v]
+    for k in changed:
+        if before[k] is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = before[k]
+    if changed:
+        report = outcome.get_result()
+        report.outcome = "failed"
+        report.result = []
+        report.longrepr = (
+            f"{collector.nodeid} changed {', '.join(changed)} in the process environment at "
+            f"import; every later test and every engine, server or lm-eval subprocess would "
+            f"inherit it. Set it only inside a block that restores it (e.g. "
+            f"tests/core/_triton_interpreter.py's interpreted()).")
+
+
 def pytest_runtest_setup(item):
     """Before any fixture of ``item`` (module-scoped ones included) runs: tell the engine
     helper whether this test may boot vLLM."""

@@ -2,24 +2,28 @@
 executed by the Triton interpreter on CPU; the reference's table helpers. The lab's queue /
 bitmap kernels: test_queue_kernels.py."""
 
-import os
+import contextlib
+import importlib
 
-os.environ["TRITON_INTERPRET"] = "1"  # before the Triton modules are imported (decoration time)
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-import contextlib  # noqa: E402
-import importlib  # noqa: E402
+from _triton_interpreter import interpreted
+from ulacache_vllm.kernels import reference as ref
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+# Triton reads TRITON_INTERPRET when it is first imported (triton.language's own @jit
+# helpers), when @triton.jit decorates the kernels, and while they run: set for these
+# imports here and for this module's tests by the fixture, never left in the environment
+# (_triton_interpreter.py).
+with interpreted():
+    pytest.importorskip("triton")
+    from triton.runtime.interpreter import InterpretedFunction
 
-pytest.importorskip("triton")
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+    tk = importlib.import_module("ulacache_vllm.kernels.pblru_kernels")
 
-from ulacache_vllm.kernels import reference as ref  # noqa: E402
-
-tk = importlib.import_module("ulacache_vllm.kernels.pblru_kernels")
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
 
 @contextlib.contextmanager
