@@ -16,7 +16,6 @@ c. batched and single-request greedy generation give identical tokens.
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -347,15 +346,31 @@ def _prompts():
     return [[rng.randrange(10, 1000) for _ in range(n)] for n in PROMPT_LENS]
 
 
-def _run_e2e(model: Path, batch_checks: bool, timeout=400) -> dict:
+def e2e_llm_kwargs(name: str) -> dict:
+    """What each e2e engine pins instead of taking its host's defaults. All of them: the
+    reference MLA path's schedule (block 16, no chunked prefill, no prefix caching, 2048-token
+    steps: the six prompts, 934 tokens, prefill in one step, and a repeated prompt is computed
+    afresh), the schedule every comparison here was verified with; on a host with AMX tiles a
+    DSA model would otherwise get block 128, chunked prefill and prefix caching. The dense twin
+    also pins vLLM's reference CPU_MLA kernel: with AMX tiles vLLM would pick AMX_MLA, which
+    refuses its float32 weights."""
+    from _vllm_subprocess import DENSE_MLA_LLM_KWARGS, mla_path_kwargs
+
+    kw = mla_path_kwargs("reference", max_model_len=1024)  # sparse_e2e.py's max_model_len
+    if name == "dense":
+        kw["attention_backend"] = DENSE_MLA_LLM_KWARGS["attention_backend"]
+    return kw
+
+
+def _run_e2e(model: Path, batch_checks: bool, llm_kwargs: dict, timeout=400) -> dict:
+    from _vllm_subprocess import vllm_env
+
     spec = dict(prompts=_prompts(), max_tokens=MAX_TOKENS, num_logprobs=NUM_LOGPROBS,
-                batch_checks=batch_checks)
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process engine: hooks see the model
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+                batch_checks=batch_checks, llm_kwargs=llm_kwargs)
+    # The harness's engine environment (no VLLM_CPU_KVCACHE_SPACE, no test-process flags
+    # such as TRITON_INTERPRET, the checkout on PYTHONPATH); the engine runs in-process so
+    # the script's hooks see the model.
+    env = vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     proc = subprocess.run(
         [sys.executable, str(E2E_SCRIPT), "--model", str(model), "--spec", json.dumps(spec)],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=str(model.parent))
@@ -400,7 +415,8 @@ def e2e(e2e_models):
 
         require_engine_marker()
         if name not in cache:
-            cache[name] = _run_e2e(e2e_models[name], batch_checks=(name == "sparse"))
+            cache[name] = _run_e2e(e2e_models[name], batch_checks=(name == "sparse"),
+                                   llm_kwargs=e2e_llm_kwargs(name))
         return cache[name]
 
     return get
@@ -419,6 +435,17 @@ def _prompt_diffs(a, b, same_top=True):
                 assert len(common) >= NUM_LOGPROBS - 1
             top = max([top] + [abs(x[1][t] - y[1][t]) for t in common])
     return per_pos, top
+
+
+@pytest.mark.engine
+def test_e2e_engines_run_the_pinned_schedule(e2e):
+    """Each e2e engine resolved the schedule its comparisons were verified with, whatever
+    this host's defaults (``e2e_llm_kwargs``)."""
+    for name in ("full", "sparse", "dense"):
+        got = e2e(name)["config"]
+        assert (got["block"], got["chunked"], got["prefix"], got["batched"]) == \
+            (16, False, False, 2048), (name, got)
+        assert ("CPU_MLA" in got["backend"]) == (name == "dense"), (name, got)
 
 
 @pytest.mark.engine

@@ -5,13 +5,19 @@ Run by tests/test_sparse_backend.py in a subprocess (one engine per model):
     python tests/scripts/sparse_e2e.py --model DIR --spec SPEC_JSON
 
 SPEC_JSON: {"prompts": [[ids...], ...], "max_tokens": int, "num_logprobs": int,
-            "batch_checks": bool}
+            "batch_checks": bool, "llm_kwargs": {...}}
+
+"llm_kwargs" are added to the engine's keywords: the caller pins what its comparisons depend
+on (the MLA path's schedule, and for the dense-MLA twin vLLM's reference CPU_MLA kernel, which
+takes float32 on every host), so that the engine does not follow the host's defaults.
 
 Emits (after the marker line prefix) a JSON object with
 - "prompt_lp": per prompt, per position >= 1: [logprob of the actual token, {id: logprob} top-n]
 - "gen": per prompt, per generated step: [token id, {id: logprob} top-n] (greedy)
 - "batched": [[tokens per prompt] run 1, run 2] (greedy, all prompts in one generate call)
 - "single": [tokens per prompt] (greedy, each prompt alone)
+- "config": the schedule and cache choices the engine resolved (block size, chunked prefill,
+  prefix caching, max_num_batched_tokens) and the attention backend asked for
 - "select": statistics of what the DSA indexer selected and attention consumed (DSA models):
   computed in this process (the engine runs in-process: VLLM_ENABLE_V1_MULTIPROCESSING=0) by
   wrapping `cpu_indexer.select_topk` and the `sparse_mla_attention` used by the backend.
@@ -124,8 +130,14 @@ def main() -> None:
         max_model_len=1024,
         max_num_seqs=8,
         seed=0,
+        **spec.get("llm_kwargs", {}),
     )
     timings["engine_ready"] = time.perf_counter() - t0
+    c = llm.llm_engine.vllm_config
+    sc, cc = c.scheduler_config, c.cache_config
+    config = dict(block=cc.block_size, chunked=sc.enable_chunked_prefill,
+                  prefix=cc.enable_prefix_caching, batched=sc.max_num_batched_tokens,
+                  backend=str(c.attention_config.backend))
     prompts = [{"prompt_token_ids": ids} for ids in spec["prompts"]]
     n = spec["num_logprobs"]
     res: dict = {}
@@ -158,6 +170,7 @@ def main() -> None:
 
     timings["total"] = time.perf_counter() - t0
     res["timings"] = timings
+    res["config"] = config
     res["select"] = vars(stats)
     sys.stdout.write("\n" + MARK + json.dumps(res) + "\n")
     sys.stdout.flush()
