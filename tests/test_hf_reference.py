@@ -41,7 +41,7 @@ import math
 
 import pytest
 
-from _vllm_subprocess import BASE_LLM_KWARGS, MLA_LLM_KWARGS, run_vllm_script
+from _vllm_subprocess import BASE_LLM_KWARGS, MLA_LLM_KWARGS, mla_path_kwargs, run_vllm_script
 from ulacache_vllm.models.corpus import CORPUS
 
 pytestmark = pytest.mark.engine  # boots vLLM (one subprocess, four engines, ~60 s)
@@ -99,7 +99,11 @@ emit(out)
 @pytest.fixture(scope="module")
 def vllm_outputs(tiny_model) -> dict:
     """{model name: {run: {"outputs": per prompt {...}, "seconds"}}} from one subprocess."""
-    base = {**BASE_LLM_KWARGS, **MLA_LLM_KWARGS, "dtype": "float32"}
+    # The reference MLA path's schedule on every host (block 16, no chunked prefill or
+    # prefix caching), the one the tolerances were measured on: with AMX tiles vLLM would
+    # give these DSA models block 128, chunked prefill and (stock) prefix caching.
+    base = {**BASE_LLM_KWARGS, **MLA_LLM_KWARGS, "dtype": "float32",
+            **mla_path_kwargs("reference", BASE_LLM_KWARGS["max_model_len"])}
     kws = {"stock": base, "ulacache": {**base, "kv_backend": "ulacache",
                                        "ula_host_pool_gib": 0.006}}
     paths = {name: str(tiny_model(name)) for name in MODELS}

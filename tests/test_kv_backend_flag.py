@@ -156,8 +156,11 @@ attempt("bad_bool", model=ARGS["dsa"], kv_backend="ulacache", ula_fast_path="may
 attempt("trace_dir", model=ARGS["dsa"], kv_backend="ulacache",
         ula_trace_path="/nonexistent_ulacache_dir/t.jsonl")
 # Found only in the engine core (exact layer specs and budget): the message still comes back.
+# On the reference MLA path's schedule on every host (no chunked prefill, 2048-token steps):
+# the step it refuses, and the fix it names, depend on the schedule (AMX hosts: chunked
+# prefill, a 4096-token default step, which ulacache lowers to fit when it can).
 attempt("device_small", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib=0.01,
-        kv_cache_memory_bytes=2_000_000)
+        kv_cache_memory_bytes=2_000_000, **ARGS["reference_path"])
 # The arena (hybrid models) refuses speculative decoding, before any model loads.
 attempt("arena_spec", model=ARGS["gpt_oss"], kv_backend="ulacache",
         speculative_config={"method": "ngram", "num_speculative_tokens": 2,
@@ -178,11 +181,12 @@ emit(res)
 
 @pytest.mark.engine
 def test_clear_errors_from_llm(tiny_model):
-    from _vllm_subprocess import run_vllm_script
+    from _vllm_subprocess import mla_path_kwargs, run_vllm_script
 
     res = run_vllm_script(ERRORS_SCRIPT, args={
         "dsa": str(tiny_model("deepseek_v32")), "llama": str(tiny_model("llama")),
-        "gpt_oss": str(tiny_model("gpt_oss", initializer_range=0.1))}, timeout=300)
+        "gpt_oss": str(tiny_model("gpt_oss", initializer_range=0.1)),
+        "reference_path": mla_path_kwargs("reference", 512)}, timeout=300)
     assert "valid choices: vllm, ulacache" in res["unknown"]
     assert "bogus" in res["unknown"]
     assert "LlamaForCausalLM" in res["unsupported"]

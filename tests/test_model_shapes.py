@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import run_vllm_script
+from _vllm_subprocess import mla_path_kwargs, run_vllm_script
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
 SHAPE = dict(num_hidden_layers=3, index_topk=32, num_attention_heads=8, num_key_value_heads=8,
              first_k_dense_replace=0)
 # ~2.2k device + ~1.9k host slots per layer: the device pool just holds one 2048-token step,
-# well below the ~2.5k tokens the six prompts below hold at once.
+# well below the ~2.5k tokens the six prompts below hold at once. Both runs take the reference
+# MLA path's schedule on every host (block 16, whole-prompt 2048-token steps, no prefix
+# caching), which that sizing assumes: with AMX tiles vLLM would give block 128 and chunked
+# prefill with a 4096-token default step.
 ULA_KV_BYTES = 17_000_000
 ULA_HOST_GIB = 0.012
 
@@ -40,7 +43,7 @@ def runs(tiny_model):
     model = tiny_model("deepseek_v32", **SHAPE)
     out = {}
     for backend in ("vllm", "ulacache"):
-        kw, env = {"kv_backend": backend}, None
+        kw, env = {"kv_backend": backend, **mla_path_kwargs("reference")}, None
         if backend == "ulacache":
             kw.update(kv_cache_memory_bytes=ULA_KV_BYTES, ula_host_pool_gib=ULA_HOST_GIB)
         else:

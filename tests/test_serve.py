@@ -21,6 +21,12 @@ from ulacache_vllm.engine.faults import ENV as FAULTS_ENV
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
 REPO = Path(__file__).resolve().parents[1]
+# Every server here runs the reference MLA path's schedule on every host (block 16, no chunked
+# prefill or prefix caching, 2048-token steps), the one the KV budgets below were set on: with
+# AMX tiles vLLM would give the DSA model block 128, prefix caching in stock and chunked
+# prefill with a defaulted step, which ulacache lowers to what its device pool holds.
+REFERENCE_PATH_FLAGS = ["--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+                        "--block-size", "16", "--max-num-batched-tokens", "2048"]
 
 
 def _free_port() -> int:
@@ -40,19 +46,21 @@ def _metric(text: str, name: str) -> float:
 def serve(model, log: Path, extra_args: list[str], timeout: float = 300, env_extra=None):
     """`scripts/serve.sh MODEL ulacache` on a free 127.0.0.1 port with the tight CPU budget of
     these tests; yields the base URL once healthy, kills the process group after."""
-    from _vllm_subprocess import require_engine_marker
+    from _vllm_subprocess import require_engine_marker, vllm_env
 
     require_engine_marker()
     port = _free_port()
-    env = dict(os.environ, VENV=str(Path(sys.executable).parent.parent),
-               KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024",
-               VLLM_LOGGING_LEVEL="INFO")  # the tests read the startup lines from the log
+    env = vllm_env(dict(
+        VENV=str(Path(sys.executable).parent.parent),
+        KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024",
+        VLLM_LOGGING_LEVEL="INFO"))  # the tests read the startup lines from the log
     env.update(env_extra or {})
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     with open(log, "w") as fh:
         proc = subprocess.Popen(
             ["bash", str(REPO / "scripts" / "serve.sh"), str(model), "ulacache", "127.0.0.1",
              str(port), "--dtype", "float32", "--max-num-seqs", "8",
+             *REFERENCE_PATH_FLAGS,
              "--ula-host-pool-gib", "0.006", *extra_args],
             stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
@@ -151,13 +159,14 @@ def test_engine_core_refusal_ends_serve_with_the_fix(tiny_model, tmp_path):
     model = tiny_model("deepseek_v32")
     pattern = os.path.join(tempfile.gettempdir(), "ulacache-error-*")
     before = set(glob.glob(pattern))
-    env = dict(os.environ)
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    from _vllm_subprocess import vllm_env
+
+    env = vllm_env({"VLLM_LOGGING_LEVEL": "INFO"})  # vLLM's default level, as before
     vllm_bin = Path(sys.executable).parent / "vllm"
     res = subprocess.run(
         [str(vllm_bin), "serve", str(model), "--kv-backend", "ulacache", "--dtype", "float32",
          "--ula-host-pool-gib", "0.006", "--kv-cache-memory-bytes", "1000000",
-         "--max-model-len", "1024", "--port", str(_free_port())],
+         "--max-model-len", "1024", "--port", str(_free_port()), *REFERENCE_PATH_FLAGS],
         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
     assert res.returncode != 0
     lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]

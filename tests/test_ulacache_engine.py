@@ -165,6 +165,12 @@ def test_recorded_trace_replays_through_the_core(runs):
     assert torch.is_tensor(trace.steps[0].append_addr)
 
 
+# The MTP and TP=2 runs take the reference MLA path's schedule on every host (block 16, no
+# chunked prefill or prefix caching, 2048-token steps), the one their KV budgets and pressure
+# assertions were set on: with AMX tiles vLLM would give them block 128, prefix caching in
+# stock and chunked prefill with a 4096-token default step that ulacache lowers to its pool.
+REFERENCE_PATH = mla_path_kwargs("reference")
+
 MTP_SCRIPT = r"""
 from vllm import LLM, SamplingParams
 llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
@@ -188,10 +194,10 @@ def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
     model = str(tiny_model("deepseek_v32", num_nextn_predict_layers=1))
     ref, ula = run_side_by_side(
         lambda bind: run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
-            "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES}}, timeout=900,
-            env=bind),
+            "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES, **REFERENCE_PATH}},
+            timeout=900, env=bind),
         lambda bind: run_vllm_script(MTP_SCRIPT, args={"model": model, "kw": {
-            "kv_backend": "ulacache", "kv_cache_memory_bytes": 18_000_000,
+            "kv_backend": "ulacache", "kv_cache_memory_bytes": 18_000_000, **REFERENCE_PATH,
             "ula_host_pool_gib": 0.008}}, timeout=900,
             env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0", **bind}))
     assert ula["out"] == ref["out"]
@@ -261,7 +267,7 @@ def tp2(tiny_model):
             backend, script, kw = kws[which]
             cache[which] = run_vllm_script(TP_SCRIPT, args={
                 "model": model, "backend": backend, "script": script,
-                "kw": {"kv_backend": backend, **kw}}, timeout=900, env=TP_ENV)
+                "kw": {"kv_backend": backend, **REFERENCE_PATH, **kw}}, timeout=900, env=TP_ENV)
         return cache[which]
     return get
 
