@@ -30,7 +30,7 @@ def apply() -> None:
         from ulacache_vllm.engine.wiring import line_sizing
 
         settings = ula_config.settings_from_additional_config(vllm_config.additional_config)
-        configs = line_sizing(vllm_config).get_kv_cache_configs(
+        configs = line_sizing(vllm_config.model_config).get_kv_cache_configs(
             orig, vllm_config, kv_cache_specs, available_memory, settings)
         init_logger("vllm.ulacache").info(
             configs[0].layout.summary(vllm_config.model_config.max_model_len))

@@ -45,6 +45,9 @@ def resolved(tiny_model):
         ("dense", dense, {"attention_backend": DENSE_MLA_LLM_KWARGS["attention_backend"]}),
         ("ula_amx", dsa, {**mla_path_kwargs("amx"), "kv_backend": "ulacache"}),
         ("ula_reference", dsa, {**mla_path_kwargs("reference"), "kv_backend": "ulacache"}),
+        ("ula_host", dsa, {"kv_backend": "ulacache"}),
+        ("ula_reference_cached", dsa, {**mla_path_kwargs("reference"), "kv_backend": "ulacache",
+                                       "enable_prefix_caching": True}),
     ]
     return run_vllm_script(RESOLVE, args={"cases": cases}, timeout=300, boots_engine=False)
 
@@ -73,10 +76,16 @@ def test_dense_mla_runs_the_reference_kernel_when_asked(resolved):
     assert "CPU_MLA" in r["backend"] and r["block"] == 16 and not r["chunked"], r
 
 
-def test_ulacache_turns_prefix_caching_off_and_may_lower_a_default_batch(resolved):
+def test_ulacache_keeps_stocks_prefix_caching_and_may_lower_a_default_batch(resolved):
+    """A DSA model under ulacache gets the prefix caching stock would give it (vLLM's, over
+    the logical pool): the AMX path's on, the reference path's off, an explicit request on
+    any host (the CPU sparse-MLA backend takes it everywhere)."""
     from ulacache_vllm.engine.dsa.sizing import DEFAULTED_KEY
 
     amx, ref = resolved["ula_amx"], resolved["ula_reference"]
-    assert amx["chunked"] and not amx["prefix"], amx
+    assert amx["chunked"] and amx["prefix"], amx
+    assert not ref["prefix"], ref
+    assert resolved["ula_reference_cached"]["prefix"], resolved["ula_reference_cached"]
+    assert resolved["ula_host"]["prefix"] == resolved["host"]["prefix"], resolved
     assert DEFAULTED_KEY in amx["extra"]  # max_num_batched_tokens left to vLLM's default
     assert DEFAULTED_KEY not in ref["extra"]  # pinned: never lowered, refused if too big

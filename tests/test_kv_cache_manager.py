@@ -124,3 +124,39 @@ def test_every_free_path_reports_and_orders_blocks_alike(deferred):
         head.append(blk.block_id)
         blk = blk.next_free_block
     assert set(head) == {1, 2, 3}, head  # device-range blocks first, whatever the path
+
+
+def test_cached_blocks_taken_for_reuse_are_released_before_their_rewrite(manager):
+    """vLLM evicts a free cached block lazily, when the pool hands it out again; the worker
+    must hear of it in the same step's payload (before the new owner's rows are written),
+    else a tier or a TP remote-row buffer could serve the old rows at those addresses."""
+    a = _request("a", list(range(1, 3 * BS + 1)))  # 3 full blocks, all cached
+    ids_a = _run(manager, a)
+    manager.free(a)
+    assert manager.take_step() == []  # cached: live on the worker
+    # Fill the pool: every other free block first (vLLM hands cached blocks out last), then
+    # a's cached blocks are evicted and reused.
+    taken, i = [], 0
+    while not set(ids_a) <= set(taken):
+        n = min(manager.block_pool.get_num_free_blocks(), 512 // BS)
+        assert n > 0
+        taken += _run(manager, _request(f"b{i}", list(range(1000 * (i + 1),
+                                                            1000 * (i + 1) + n * BS))))
+        i += 1
+    assert sorted(manager.take_step()) == sorted(ids_a)  # reported once, by this step
+
+
+def test_lost_cached_blocks_leave_the_prefix_cache(manager):
+    """A cached free block whose rows a failed copy lost is evicted (never hit again) and
+    reported dead; vLLM's own handling decides the running requests' fate."""
+    a = _request("a", list(range(1, 2 * BS + 1)))
+    ids_a = _run(manager, a)
+    manager.free(a)
+    manager.take_step()
+    calls = []
+    out = manager.lost_block_owners({ids_a[0]}, [], lambda: calls.append(1) or {"x"})
+    assert out == {"x"} and calls == [1]
+    assert manager.take_step() == [ids_a[0]]
+    b = _request("b", list(range(1, 2 * BS + 1)) + [5])
+    _, n_hit, _ = manager.get_computed_blocks(b)
+    assert n_hit == 0  # the chain's first block is gone: no hit

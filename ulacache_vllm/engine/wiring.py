@@ -40,14 +40,8 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
     engine_args.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_connector_module_path=MODULE_PATH,
         kv_load_failure_policy="fail")
-    # Prefix caching stays off under ulacache: a cached block's rows may sit in the host tier,
-    # and a hit must promote them before the prefill that reads them; that path (scheduler-side
-    # hit + worker-side promotion of a cached prefix) is not built yet. vLLM's CPU build keeps
-    # prefix caching on by default for MLA on AMX hosts, so say so whatever the source.
-    if engine_args.enable_prefix_caching is not False:
-        logger.info("ulacache: prefix caching is turned off (cached prefixes whose rows sit in "
-                    "the host tier are not promoted on a hit yet)")
-    engine_args.enable_prefix_caching = False
+    # What the product line sets before vLLM derives the rest of its configuration from it.
+    line_sizing(engine_args.create_model_config()).prepare_engine_args(engine_args)
     if engine_args.max_num_batched_tokens is None:
         from .dsa.sizing import DEFAULTED_KEY
 
@@ -87,20 +81,20 @@ def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
             "hook (SparseMLAIndexGroup.convert_logical_to_physical_topk) is not wired into the "
             "CUDA sparse-MLA backends yet. Use --kv-backend vllm on this machine."
         )
-    line_sizing(vllm_config).prepare(vllm_config, settings)
+    line_sizing(vllm_config.model_config).prepare(vllm_config, settings)
     keep_cpu_core_reservation(vllm_config)
     set_error_file()
     sc = vllm_config.scheduler_config
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
 
 
-def line_sizing(vllm_config: Any):
+def line_sizing(model_config: Any):
     """The product line serving this model, as its sizing module (`dsa.sizing` or
     `arena.sizing`): the one place the line is decided; from the engine core's sizing on, the
     line travels as the layout in `line.UlaKVCacheConfig`."""
     from .config import is_arena_model
 
-    if is_arena_model(vllm_config.model_config.hf_config):
+    if is_arena_model(model_config.hf_config):
         from .arena import sizing
     else:
         from .dsa import sizing

@@ -263,6 +263,16 @@ def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict],
 ARENA_BLOCK_SIZE = 32  # tokens per attention page (CPU_ATTN takes multiples of 32)
 
 
+def prepare_engine_args(engine_args: Any) -> None:
+    """Before vLLM builds its configuration (which derives GDN's state mode and the chunked
+    prefill it needs from it): prefix caching stays off for hybrid models under the arena,
+    whose pages are not shared by hash yet."""
+    if engine_args.enable_prefix_caching:
+        logger.info("ulacache arena: prefix caching is turned off (hybrid models' arena pages "
+                    "are not shared by hash yet)")
+    engine_args.enable_prefix_caching = False
+
+
 def prepare(vllm_config: Any, settings: UlaSettings) -> None:
     """Hybrid models: what the arena does not support yet is refused here, naming the fix;
     the attention page defaults to 32 tokens instead of the CPU build's 128."""

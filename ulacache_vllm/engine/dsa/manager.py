@@ -14,6 +14,13 @@ every block it takes back to it, whether the manager freed them (`free`) or vLLM
 returns a deferred free straight to the pool once the step that may still write them is done
 (async scheduling, pipeline parallelism: `pop_blocks_for_free` now, `free_blocks` later). A
 block is reported dead only when it is back in the pool.
+
+Prefix caching is vLLM's own over the logical pool: a free block that keeps its hash stays
+live on the worker (its rows in either tier, read where they are by a later hit's attention,
+promoted by settle like any read row) until it leaves the cache: evicted to be reused (the
+pool's `_maybe_evict_cached_block`, reported before the step that rewrites it, so no tier or
+remote-row buffer serves its old rows), evicted explicitly, or reset. A cached block whose
+rows a failed copy lost leaves the cache too (`lost_block_owners`), so it is never hit.
 """
 from __future__ import annotations
 
@@ -37,6 +44,15 @@ class UlaKVCacheManager(LineManager, KVCacheManager):
             self._returned(blocks)
 
         self.block_pool.free_blocks = free_blocks
+        pool_evict = self.block_pool._maybe_evict_cached_block
+
+        def evict_cached(block) -> bool:  # a free block leaving the prefix cache: module doc
+            evicted = pool_evict(block)
+            if evicted and block.ref_cnt == 0:  # (a running request's block stays live)
+                self._freed.append(block.block_id)
+            return evicted
+
+        self.block_pool._maybe_evict_cached_block = evict_cached
 
     def _returned(self, blocks) -> None:
         pool = self.block_pool
@@ -47,9 +63,7 @@ class UlaKVCacheManager(LineManager, KVCacheManager):
                 if blk.block_hash is None:
                     self._freed.append(bid)
                 # else: a prefix-cache entry; its rows stay where they are (PB-LRU ages them
-                # out to the host) until the block is evicted: a reuse rewrites the rows (the
-                # worker's assign releases the old entries first), a cache reset or eviction
-                # is reported below.
+                # out to the host) until the block leaves the cache (module doc).
                 if bid >= self._device_blocks and not self.enable_caching:
                     # vLLM reuses freed blocks first (LIFO); send blocks beyond the device
                     # range to the back so low blocks are handed out first again. (With a
@@ -68,12 +82,15 @@ class UlaKVCacheManager(LineManager, KVCacheManager):
             self._freed.extend(cached)
         return ok
 
-    def evict_blocks(self, block_ids: set[int]) -> None:
+    def lost_block_owners(self, block_ids, running, vllm_default):
+        # Cached free blocks among them leave the prefix cache (vLLM evicts only running
+        # requests' blocks); the running requests holding any end as vLLM decides.
         pool = self.block_pool
-        dead = [b for b in block_ids
-                if pool.blocks[b].ref_cnt == 0 and pool.blocks[b].block_hash is not None]
-        super().evict_blocks(block_ids)
-        self._freed.extend(dead)
+        cached = {b for b in block_ids
+                  if pool.blocks[b].ref_cnt == 0 and pool.blocks[b].block_hash is not None}
+        if cached:
+            self.evict_blocks(cached)
+        return vllm_default()
 
     def has_pending_frees(self) -> bool:
         return bool(self._freed)

@@ -326,6 +326,13 @@ def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict], availabl
     return [UlaKVCacheConfig.of(cfg, layout) for cfg in configs]
 
 
+def prepare_engine_args(engine_args: Any) -> None:
+    """Before vLLM builds its configuration: nothing to change. Prefix caching is vLLM's own
+    over the logical pool (a hit's rows are read from either tier, `dsa.manager`), on or off as
+    vLLM or the user chose (the CPU sparse-MLA backend takes it on every host)."""
+    return None
+
+
 def prepare(vllm_config: Any, settings: UlaSettings) -> None:
     """Front end (before any engine process starts): what this line refuses, named with the
     fix, and whether one request fits the host pool."""
