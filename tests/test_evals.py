@@ -9,23 +9,33 @@ from pathlib import Path
 
 import pytest
 
+from _vllm_subprocess import mla_path_kwargs
+
 pytestmark = pytest.mark.engine  # every test here boots vLLM (twice, through lm-eval)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+
+# Both engines of a comparison (stock and ulacache) run the reference MLA path's schedule on
+# every host: block 16, chunked prefill and prefix caching off, 2048-token steps (lm-eval's
+# max_model_len is 1024), the schedule these budgets and comparisons were verified with. On a
+# host with AMX tiles vLLM would otherwise give this DSA model block 128, chunked prefill with
+# a 4096-token default step (which ulacache lowers to what its device pool holds) and prefix
+# caching in the stock run only.
+PINNED_ARGS = ",".join(f"{k}={v}" for k, v in mla_path_kwargs("reference", 1024).items())
 
 # The comparisons (``consistency.compare`` keyword arguments), by the test that reads each.
 COMPARISONS = {
     # 8 four-shot prompts of ~340 tokens outgrow the ~2k device slots this budget leaves.
     "test_lm_eval_consistency_ulacache_vs_stock": dict(
         limit=8, task="ulacache_arith", num_fewshot=4,
-        ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
-        ref_args="kv_cache_memory_bytes=268435456"),
+        ula_args=f"{PINNED_ARGS},ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
+        ref_args=f"{PINNED_ARGS},kv_cache_memory_bytes=268435456"),
     # Multi-LexSum-shaped summarization: six zero-shot prompts need ~5k rows against ~2k
     # device slots.
     "test_lm_eval_long_document_summaries_match_through_the_host_tier": dict(
         limit=6, task="lexsum",
-        ula_args="ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
-        ref_args="kv_cache_memory_bytes=268435456"),
+        ula_args=f"{PINNED_ARGS},ula_host_pool_gib=0.006,kv_cache_memory_bytes=10500000",
+        ref_args=f"{PINNED_ARGS},kv_cache_memory_bytes=268435456"),
 }
 
 
@@ -42,10 +52,17 @@ def reports(request, tiny_model):
     model = str(tiny_model("deepseek_v32"))
     selected = {item.originalname for item in request.session.items}
     names = [n for n in COMPARISONS if n in selected]
+    # ``compare`` starts each lm-eval process with a copy of this process's environment:
+    # test-process flags must not reach those engines (see _vllm_subprocess.vllm_env).
+    env = pytest.MonkeyPatch()
+    env.delenv("TRITON_INTERPRET", raising=False)
     pool = ThreadPoolExecutor(max_workers=max(1, len(names)), thread_name_prefix="lm_eval")
     futures = {n: pool.submit(compare, model, **COMPARISONS[n]) for n in names}
-    yield futures
-    pool.shutdown(wait=True)
+    try:
+        yield futures
+    finally:
+        pool.shutdown(wait=True)
+        env.undo()
 
 
 def _report(reports, name):
