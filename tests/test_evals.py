@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 # max_model_len is 1024), the schedule these budgets and comparisons were verified with. On a
 # host with AMX tiles vLLM would otherwise give this DSA model block 128, chunked prefill with
 # a 4096-token default step (which ulacache lowers to what its device pool holds) and prefix
-# caching in the stock run only.
+# caching.
 PINNED_ARGS = ",".join(f"{k}={v}" for k, v in mla_path_kwargs("reference", 1024).items())
 
 # The comparisons (``consistency.compare`` keyword arguments), by the test that reads each.

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.engine  # every test here boots vLLM
 REPO = Path(__file__).resolve().parents[1]
 # Every server here runs the reference MLA path's schedule on every host (block 16, no chunked
 # prefill or prefix caching, 2048-token steps), the one the KV budgets below were set on: with
-# AMX tiles vLLM would give the DSA model block 128, prefix caching in stock and chunked
-# prefill with a defaulted step, which ulacache lowers to what its device pool holds.
+# AMX tiles vLLM would give the DSA model block 128, prefix caching and chunked prefill
+# with a defaulted step, which ulacache lowers to what its device pool holds.
 REFERENCE_PATH_FLAGS = ["--no-enable-chunked-prefill", "--no-enable-prefix-caching",
                         "--block-size", "16", "--max-num-batched-tokens", "2048"]
 

@@ -167,8 +167,8 @@ def test_recorded_trace_replays_through_the_core(runs):
 
 # The MTP and TP=2 runs take the reference MLA path's schedule on every host (block 16, no
 # chunked prefill or prefix caching, 2048-token steps), the one their KV budgets and pressure
-# assertions were set on: with AMX tiles vLLM would give them block 128, prefix caching in
-# stock and chunked prefill with a 4096-token default step that ulacache lowers to its pool.
+# assertions were set on: with AMX tiles vLLM would give them block 128, prefix caching and
+# chunked prefill with a 4096-token default step that ulacache lowers to its pool.
 REFERENCE_PATH = mla_path_kwargs("reference")
 
 MTP_SCRIPT = r"""
