@@ -1,0 +1,105 @@
+"""Prefix caching under `--kv-backend ulacache` on a DSA model: vLLM's own prefix cache over the
+logical pool, whose cached blocks keep their rows in either tier until they leave the cache.
+Greedy output with prefix caching on equals stock's with prefix caching on, token for token,
+while the device pool is far smaller than the cached prefixes (rows demoted and promoted, hits
+read from the host tier), and the prefix cache really hit (counters)."""
+from __future__ import annotations
+
+import pytest
+
+from _vllm_subprocess import mla_path_kwargs, run_side_by_side, run_vllm_script
+
+pytestmark = pytest.mark.engine  # every test here boots vLLM
+
+# ~2.7k device + ~1.3k host slots per layer (fp32 tiny model): a wave of the workload below
+# holds ~4.5k tokens of prompts at once, so cached prefixes age to the host and are evicted.
+ULA_KV_BYTES = 13_500_000
+ULA_HOST_GIB = 0.0055
+REF_KV_BYTES = 512 << 20
+
+SCRIPT = r"""
+from vllm import LLM, SamplingParams
+llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
+          max_num_seqs=8, seed=0, disable_log_stats=False, **ARGS["kw"])
+words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
+         "omicron pi rho sigma tau upsilon").split()
+def text(seed, n):
+    return " ".join(words[(seed * 7 + j * (seed + 3)) % len(words)] for j in range(n))
+prefixes = [text(p, 100 + 15 * p) for p in range(3)]  # three long shared prefixes
+greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+res = {"waves": []}
+def counters():
+    out = {}
+    for m in llm.get_metrics():
+        if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries") or \
+                m.name.startswith("vllm:ulacache_"):
+            out[m.name] = getattr(m, "value", None)
+    return out
+history = []
+for wave in range(3):
+    if wave < 2:  # four tails per prefix, other tails each wave
+        prompts = [prefixes[p] + " " + text(10 + 4 * wave + t, 12) for p in range(3)
+                   for t in range(4)]
+    else:  # multi-turn: the first wave's conversations go on
+        prompts = [h + " " + text(40 + i, 8) for i, h in enumerate(history[:6])]
+    outs = llm.generate(prompts, greedy(24))
+    res["waves"].append([o.outputs[0].token_ids for o in outs])
+    res.setdefault("cached_tokens", []).append([o.num_cached_tokens for o in outs])
+    if wave == 0:
+        history = [p + llm.get_tokenizer().decode(o.outputs[0].token_ids)
+                   for p, o in zip(prompts, outs)]
+res["counters"] = counters()
+if ARGS["backend"] == "ulacache":
+    res["usage"] = llm.collective_rpc("ulacache_usage")[0]
+    res["reset"] = llm.reset_prefix_cache()
+    # One request after the reset (its step carries the frees to the worker); it caches its
+    # own full blocks again, and nothing else may hold a row.
+    o = llm.generate([prefixes[0]], greedy(1))[0]
+    res["after_reset_prompt_len"] = len(o.prompt_token_ids)
+    res["usage_after_reset"] = llm.collective_rpc("ulacache_usage")[0]
+emit(res)
+"""
+
+
+def _run(model, backend, env):
+    # The reference path's schedule (whole-prompt steps, block 16) with prefix caching on.
+    kw = {"kv_backend": backend, **mla_path_kwargs("reference"), "enable_prefix_caching": True}
+    if backend == "ulacache":
+        kw.update(kv_cache_memory_bytes=ULA_KV_BYTES, ula_host_pool_gib=ULA_HOST_GIB)
+    else:
+        kw.update(kv_cache_memory_bytes=REF_KV_BYTES)
+    return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend},
+                           timeout=900, env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0", **env})
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model):
+    model = tiny_model("deepseek_v32")
+    ula, ref = run_side_by_side(lambda bind: _run(model, "ulacache", bind),
+                                lambda bind: _run(model, "vllm", bind))
+    return ula, ref
+
+
+def test_prefix_cached_output_equals_stock_under_pressure(runs):
+    ula, ref = runs
+    for w, (a, b) in enumerate(zip(ula["waves"], ref["waves"])):
+        assert a == b, f"wave {w}"
+    c = ula["counters"]
+    # The prefix cache hit, on both sides, and the tiers moved rows while it did.
+    assert c["vllm:prefix_cache_hits"] > 0, c
+    assert ref["counters"]["vllm:prefix_cache_hits"] > 0, ref["counters"]
+    assert c["vllm:ulacache_demotions"] > 0 and c["vllm:ulacache_promotions"] > 0, c
+    assert any(n > 0 for n in ula["cached_tokens"][1]), ula["cached_tokens"]
+
+
+def test_reset_prefix_cache_frees_every_cached_row(runs):
+    ula, _ = runs
+    assert ula["reset"] is True
+    u = ula["usage_after_reset"]
+    # Every row cached before the reset is gone; only the last request's full blocks (cached
+    # again) hold rows, in each layer group.
+    groups = len(u["victim_paths"])
+    assert u["block_size"] == 16
+    kept = ula["after_reset_prompt_len"] // 16 * 16
+    assert u["device_used"] + u["host_used"] == groups * kept, (u, kept)
+
