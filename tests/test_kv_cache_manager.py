@@ -55,9 +55,11 @@ def test_cached_blocks_are_not_released_until_evicted_or_reset(manager):
     # Only the partial block died; the 4 full ones stay in the prefix cache with their rows.
     assert dead == [ids_a[4]]
 
+    manager.take_step()
     b = _request("b", shared + [700])
     ids_b = _run(manager, b)
     assert ids_b[:4] == ids_a[:4]  # prefix hit: the cached blocks (and their rows) reused
+    assert manager.take_step().hits == ids_a[:4]  # the worker counts where their rows sit
     manager.free(b)
     assert manager.take_freed_blocks() == [ids_b[4]]
 
@@ -133,7 +135,7 @@ def test_cached_blocks_taken_for_reuse_are_released_before_their_rewrite(manager
     a = _request("a", list(range(1, 3 * BS + 1)))  # 3 full blocks, all cached
     ids_a = _run(manager, a)
     manager.free(a)
-    assert manager.take_step() == []  # cached: live on the worker
+    assert manager.take_step().freed == []  # cached: live on the worker
     # Fill the pool: every other free block first (vLLM hands cached blocks out last), then
     # a's cached blocks are evicted and reused.
     taken, i = [], 0
@@ -143,7 +145,7 @@ def test_cached_blocks_taken_for_reuse_are_released_before_their_rewrite(manager
         taken += _run(manager, _request(f"b{i}", list(range(1000 * (i + 1),
                                                             1000 * (i + 1) + n * BS))))
         i += 1
-    assert sorted(manager.take_step()) == sorted(ids_a)  # reported once, by this step
+    assert sorted(manager.take_step().freed) == sorted(ids_a)  # reported once, by this step
 
 
 def test_lost_cached_blocks_leave_the_prefix_cache(manager):
@@ -156,7 +158,7 @@ def test_lost_cached_blocks_leave_the_prefix_cache(manager):
     calls = []
     out = manager.lost_block_owners({ids_a[0]}, [], lambda: calls.append(1) or {"x"})
     assert out == {"x"} and calls == [1]
-    assert manager.take_step() == [ids_a[0]]
+    assert manager.take_step().freed == [ids_a[0]]
     b = _request("b", list(range(1, 2 * BS + 1)) + [5])
     _, n_hit, _ = manager.get_computed_blocks(b)
     assert n_hit == 0  # the chain's first block is gone: no hit

@@ -90,6 +90,11 @@ def test_prefix_cached_output_equals_stock_under_pressure(runs):
     assert ref["counters"]["vllm:prefix_cache_hits"] > 0, ref["counters"]
     assert c["vllm:ulacache_demotions"] > 0 and c["vllm:ulacache_promotions"] > 0, c
     assert any(n > 0 for n in ula["cached_tokens"][1]), ula["cached_tokens"]
+    # Some hits took over rows that sat in the host tier (the device pool holds less than the
+    # cached prefixes), read from there by attention.
+    t = ula["usage"]["totals"]
+    assert t["prefix_hit_entries"] > t["prefix_hit_entries_host"] > 0, t
+    assert c["vllm:ulacache_prefix_hit_entries_host"] == t["prefix_hit_entries_host"], (c, t)
 
 
 def test_reset_prefix_cache_frees_every_cached_row(runs):

@@ -17,7 +17,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallback_chunks",
             "fast_path_exits", "replica_exits", "remote_lookups", "remote_hits", "remote_rows_fetched",
-            "remote_bytes_fetched", "failed_copies")
+            "remote_bytes_fetched", "failed_copies", "prefix_hit_entries",
+            "prefix_hit_entries_host")
 # The arena (hybrid models): cumulative counters from the scheduler, shipped per step.
 ARENA_COUNTERS = ("arena_compactions", "arena_relayouts", "arena_pages_moved",
                   "arena_bytes_copied")
@@ -99,6 +100,8 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "remote_rows_fetched": "TP shard mode: rows fetched from their owner ranks (per layer).",
             "remote_bytes_fetched": "TP shard mode: bytes of rows fetched from their owner ranks.",
             "failed_copies": "Copies in the worker's move path that failed (tier row copies; arena page-copy steps); the requests whose KV they lost ended with an error.",
+            "prefix_hit_entries": "Prefix-cache hits: entries of cached blocks a new request took over (per layer group).",
+            "prefix_hit_entries_host": "Prefix-cache hits whose entries sat in the host tier when the request took them over (read from there; promoted once attention selects them).",
             "arena_compactions": "Arena (hybrid models): compactions run (holes filled with a band's farthest pages).",
             "arena_relayouts": "Arena (hybrid models): relayouts run (every movable page slid to its band's base).",
             "arena_pages_moved": "Arena (hybrid models): pages moved by compactions and relayouts.",

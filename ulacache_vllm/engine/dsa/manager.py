@@ -24,15 +24,26 @@ rows a failed copy lost leaves the cache too (`lost_block_owners`), so it is nev
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from ..line import LineManager, layout_of
+
+
+@dataclass
+class DsaStep:
+    """The DSA line's payload of one step (scheduler -> worker)."""
+
+    freed: list[int] = field(default_factory=list)  # logical blocks that died
+    hits: list[int] = field(default_factory=list)  # cached blocks new requests took over
 
 
 class UlaKVCacheManager(LineManager, KVCacheManager):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._freed: list[int] = []
+        self._hits: list[int] = []
         # Blocks whose identity placement (logical slot == device slot) lands in the device
         # pool: while only these are live, the worker needs no translation at all.
         self._device_blocks = layout_of(self.kv_cache_config).device_blocks
@@ -99,7 +110,17 @@ class UlaKVCacheManager(LineManager, KVCacheManager):
         out, self._freed = self._freed, []
         return out
 
-    take_step = take_freed_blocks  # the step's payload: the blocks freed since the last one
+    def take_step(self) -> DsaStep:
+        hits, self._hits = self._hits, []
+        return DsaStep(self.take_freed_blocks(), hits)
+
+    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
+                       new_computed_blocks=None, *args, **kwargs):
+        out = super().allocate_slots(request, num_new_tokens, num_new_computed_tokens,
+                                     new_computed_blocks, *args, **kwargs)
+        if out is not None and num_new_computed_tokens and new_computed_blocks is not None:
+            self._hits.extend(b.block_id for b in new_computed_blocks.blocks[0] if not b.is_null)
+        return out
 
     @property
     def num_used_blocks(self) -> int:

@@ -39,10 +39,12 @@ class DsaWorker(LineWorker):
         exchange = _tp_exchange(layout, settings) if layout.shards > 1 else None
         return cls(UlaWorkerStore(layout, settings, ctx, device, trace_file, exchange))
 
-    def begin_step(self, freed_blocks, forward_context) -> None:
+    def begin_step(self, step, forward_context) -> None:
         # This step's write slots per layer, from the forward context vLLM set up for it.
         sm = forward_context.slot_mapping
-        self.store.begin_step(freed_blocks, sm if isinstance(sm, dict) else None)
+        if step.hits:
+            self.store.count_prefix_hits(step.hits)
+        self.store.begin_step(step.freed, sm if isinstance(sm, dict) else None)
 
     def take_lost(self) -> set[int]:
         return self.store.take_lost_blocks()
@@ -80,6 +82,10 @@ class DsaWorker(LineWorker):
             # requests ended with an error).
             "failed_moves": t["failed_copies"],
             "lost_entries": st.lost_entries,
+            # Prefix-cache hits: entries of cached blocks new requests took over, and those
+            # that sat in the host tier then.
+            "prefix_hit_entries": t["prefix_hit_entries"],
+            "prefix_hit_entries_host": t["prefix_hit_entries_host"],
         }
         out["victim_paths"] = [g.mapping.policy.victim_path for g in st.groups]
         out["step"] = st.step
