@@ -81,7 +81,7 @@ def test_trace_records_a_group_once_per_step_before_resolving():
             t = mods[n].impl.translator
             t.write_slots(n, a)
             t.resolve(n, torch.tensor([[3, 4]]), None)
-        store._trace.flush()
+        store.trace.file.flush()
         lines = [json.loads(x) for x in open(path).read().splitlines()[1:]]
     assert [(x["step"], x["group"], x["kind"], x["addr"]) for x in lines] == [
         (1, 0, "append", [3, 4]), (1, 0, "select", [3, 4])]
@@ -167,13 +167,11 @@ attempt("arena_spec", model=ARGS["gpt_oss"], kv_backend="ulacache",
                             "prompt_lookup_max": 3})
 # Not vLLM's CPU build (the platform says so for this one attempt): refused, naming the fix.
 from vllm.platforms import current_platform
-platform_cls = type(current_platform)
-is_cpu = platform_cls.__dict__["is_cpu"]
-platform_cls.is_cpu = lambda *a: False
+current_platform.is_cpu = lambda: False
 try:
     attempt("not_cpu", model=ARGS["dsa"], kv_backend="ulacache")
 finally:
-    platform_cls.is_cpu = is_cpu
+    del current_platform.is_cpu
 res["is_cpu_restored"] = current_platform.is_cpu()
 emit(res)
 """
