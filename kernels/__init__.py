@@ -9,6 +9,11 @@ lazily so that ``TRITON_INTERPRET`` is read when it is first needed. Reading the
 table (device and host slots of addresses) is ``core.mapping.TieredMapping.locate``, plain
 tensor ops; token placement under TP shard mode is ``core.placement.TokenShard``. (The lab's
 queue and bitmap PB-LRU kernels live in ``benchmarks/lab/queue_kernels*.py``.)
+
+The forward's resolve / stage / write translation (``resolve_impl(t)``: ``resolve_kernels`` or
+``resolve_reference``, same dispatch; the row convention and contract are in
+``resolve_reference``'s doc) and ``host_view`` (``uva``: a device view of a pinned host pool).
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations
@@ -19,9 +24,11 @@ import os
 
 import torch
 
-from . import reference
+from . import reference, resolve_reference
+from .uva import host_view
 
-__all__ = ["compact", "impl", "reference", "use_triton"]
+__all__ = ["compact", "host_view", "impl", "reference", "resolve_impl", "resolve_reference",
+           "use_triton"]
 
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -45,3 +52,8 @@ def impl(t: torch.Tensor):
     """The round-label PB-LRU's kernel module for tensors like ``t`` (Triton or the reference)."""
     return _mod("pblru_kernels") if use_triton(t) else reference
 
+
+def resolve_impl(t: torch.Tensor):
+    """The resolve / stage / write-translation module for tensors like ``t`` (Triton or the
+    reference; same functions and signatures)."""
+    return _mod("resolve_kernels") if use_triton(t) else resolve_reference
