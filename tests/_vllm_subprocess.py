@@ -137,15 +137,25 @@ def run_side_by_side(*calls: Callable[[dict[str, str]], Any]) -> list[Any]:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(calls) < 2 or len(cpus) < len(calls):
+    binds = side_by_side_binds(len(calls))
+    if binds is None:
         return [c({}) for c in calls]
-    k = len(cpus) // len(calls)
-    binds = [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[i * k:(i + 1) * k]))}
-             for i in range(len(calls))]
     with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="vllm_script") as pool:
         futures = [pool.submit(c, bind) for c, bind in zip(calls, binds)]
     return [f.result() for f in futures]
+
+
+def side_by_side_binds(n: int) -> list[dict[str, str]] | None:
+    """``n`` environment entries giving ``n`` single-rank engines (scripts or servers) that
+    run at the same time disjoint, equal shares of this process's CPUs for their compute
+    threads (``VLLM_CPU_OMP_THREADS_BIND``); None with fewer CPUs than engines (or one engine):
+    run them unpinned, one after another."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if n < 2 or len(cpus) < n:
+        return None
+    k = len(cpus) // n
+    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[i * k:(i + 1) * k]))}
+            for i in range(n)]
 
 
 # Keyword arguments every tiny-model LLM needs on the CPU build.

@@ -29,10 +29,17 @@ parts, each with a stated tolerance:
    comparison).
 
 Prompts of 5, 56 and 140 tokens with 8 generated tokens: the first dense (< 16 positions), the
-others really sparse (top-16 of up to 147). One subprocess runs all four engines (each model
-stock, then ``kv_backend="ulacache"``, the same prompts, one prompt at a time so each indexer
-call belongs to one request); the ulacache runs are checked against the reference too, and
-against stock token for token. Measured here: logprob |diff| <= 2.5e-5, selections equal to the
+others really sparse (top-16 of up to 147). One subprocess runs all six engines (each model
+stock, then ``kv_backend="ulacache"`` twice, the same prompts, one prompt at a time so each
+indexer call belongs to one request); the ulacache runs are checked against the reference too,
+and against stock token for token. The first ulacache run has room for everything on the device
+(its identity-placement fast path). The second ("ulacache_tiered") has a 96-slot device pool
+and a host pool of one max_model_len request: the longer prompts outgrow the device, rows are
+demoted to the host and selected ones promoted back (its counters are checked), so the tiered
+path meets the reference too. A device pool that small only fits a step with chunked prefill
+(a step's new tokens + index_topk must fit on the device; without it vLLM's CPU build fixes
+MLA's step at 2048 tokens), so that run prefills in 64-token chunks (block 16, no prefix
+caching, as the others). Measured here: logprob |diff| <= 2.5e-5, selections equal to the
 reference's top-k in every row but one per GLM prompt (a near-tie, gap 4e-5 of the row scale).
 """
 from __future__ import annotations
@@ -44,12 +51,18 @@ import pytest
 from _vllm_subprocess import BASE_LLM_KWARGS, MLA_LLM_KWARGS, mla_path_kwargs, run_vllm_script
 from ulacache_vllm.models.corpus import CORPUS
 
-pytestmark = pytest.mark.engine  # boots vLLM (one subprocess, four engines, ~60 s)
+pytestmark = pytest.mark.engine  # boots vLLM (one subprocess, six engines, ~90 s)
 
 TOL = 5e-4  # logprob abs diff, float32 on both sides (measured <= 2.5e-5)
 SELECT_TOL = 1e-3  # near-tie room in the top-k, relative to the row's largest |score|
 MODELS = ("deepseek_v32", "glm_dsa")
-RUNS = ("stock", "ulacache")
+RUNS = ("stock", "ulacache", "ulacache_tiered")
+# The tiered run (fp32 tiny DSA models: 4608 B/token of MLA rows over 2 layers, 264 B of
+# indexer keys): 0.0045 GiB holds 1040 host tokens (one request of max_model_len 1024, in whole
+# 16-token blocks) and 770 kB then leaves 96 device slots: a 64-token chunk + index_topk fits,
+# the 140-token prompt does not.
+TIERED = dict(kv_cache_memory_bytes=770_000, ula_host_pool_gib=0.0045,
+              enable_chunked_prefill=True, max_num_batched_tokens=64)
 MAX_TOKENS = 8
 _LINES = CORPUS.splitlines()
 PROMPTS = ["The quick answer is",  # 5 tokens: every position dense (< index_topk)
@@ -89,7 +102,9 @@ for model, label, kw in ARGS["runs"]:
             ids=list(c.token_ids),
             lp=[d[t].logprob for d, t in zip(c.logprobs, c.token_ids)],
             select=list(calls)))
-    out.setdefault(model, {})[label] = dict(outputs=res, seconds=time.perf_counter() - t0)
+    usage = llm.collective_rpc("ulacache_usage")[0] if kw.get("kv_backend") == "ulacache" else None
+    out.setdefault(model, {})[label] = dict(outputs=res, seconds=time.perf_counter() - t0,
+                                            usage=usage)
     del llm
     gc.collect()
 emit(out)
@@ -98,19 +113,21 @@ emit(out)
 
 @pytest.fixture(scope="module")
 def vllm_outputs(tiny_model) -> dict:
-    """{model name: {run: {"outputs": per prompt {...}, "seconds"}}} from one subprocess."""
+    """{model name: {run: {"outputs": per prompt {...}, "seconds", "usage"}}} from one
+    subprocess ("usage": the ulacache runs' ``ulacache_usage`` after their last prompt)."""
     # The reference MLA path's schedule on every host (block 16, no chunked prefill or
     # prefix caching), the one the tolerances were measured on: with AMX tiles vLLM would
     # give these DSA models block 128, chunked prefill and (stock) prefix caching.
     base = {**BASE_LLM_KWARGS, **MLA_LLM_KWARGS, "dtype": "float32",
             **mla_path_kwargs("reference", BASE_LLM_KWARGS["max_model_len"])}
-    kws = {"stock": base, "ulacache": {**base, "kv_backend": "ulacache",
-                                       "ula_host_pool_gib": 0.006}}
+    kws = {"stock": base,
+           "ulacache": {**base, "kv_backend": "ulacache", "ula_host_pool_gib": 0.006},
+           "ulacache_tiered": {**base, "kv_backend": "ulacache", **TIERED}}
     paths = {name: str(tiny_model(name)) for name in MODELS}
     runs = [(paths[name], label, kws[label]) for name in MODELS for label in RUNS]
     # in-process engine (no engine-core process): the selections are recorded in the script
     res = run_vllm_script(_SCRIPT, args=dict(prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                                             runs=runs), timeout=900,
+                                             runs=runs), timeout=1200,
                           env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     return {name: res[paths[name]] for name in MODELS}
 
@@ -270,11 +287,22 @@ def _check_logprobs(out: dict, ref_lp) -> dict:
     return dict(max_diff=worst, near_ties=near_ties)
 
 
+def _tier_moves(run: dict) -> dict:
+    """The tiered run's store moved rows: demoted to the host and promoted back."""
+    u = run["usage"]
+    t = u["totals"]
+    assert t["demotions"] > 0 and t["promotions"] > 0, ("the tiered run moved no rows", u)
+    return dict(demotions=t["demotions"], promotions=t["promotions"])
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_vllm_matches_transformers_reference(name, vllm_outputs, references):
     ref = references[name]
     assert ref.topk == 16
     n_layers = len(ref.indexers)
+    # The tiered run met the reference on the tiered path: rows really went to the host and
+    # selected ones came back (checked first: a run on the fast path is not a tiered run).
+    moves = _tier_moves(vllm_outputs[name]["ulacache_tiered"])
     for label in RUNS:
         outs = vllm_outputs[name][label]["outputs"]
         assert [len(o["ids"]) for o in outs] == [MAX_TOKENS] * len(PROMPTS)
@@ -290,16 +318,26 @@ def test_vllm_matches_transformers_reference(name, vllm_outputs, references):
             figs.append(_check_logprobs(o, ref_lp))
         print(f"\n{name} {label}: max |dlogprob| {max(f['max_diff'] for f in figs):.2e}, "
               f"near-tie tokens {sum(f['near_ties'] for f in figs)}, selections equal to the "
-              f"reference top-k in {exact}/{rows} sparse rows")
+              f"reference top-k in {exact}/{rows} sparse rows"
+              + (f"; {moves}" if label == "ulacache_tiered" else ""))
         assert rows > 300 and exact >= 0.95 * rows, (exact, rows)
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_ulacache_equals_stock_on_the_reference_prompts(name, vllm_outputs):
+def test_ulacache_equals_stock_on_the_reference_prompts(name, vllm_outputs, references):
     """The same prompts through ulacache: the same tokens, selections and (float32, same
-    numerics) the same logprobs as stock."""
-    stock, ula = (vllm_outputs[name][label]["outputs"] for label in RUNS)
+    numerics) the same logprobs as stock. The tiered run prefills in chunks (its indexer
+    calls cover other position ranges): per layer and position the same selected set."""
+    stock, ula, tiered = (vllm_outputs[name][label]["outputs"] for label in RUNS)
     for s, u in zip(stock, ula):
         assert (u["prompt_ids"], u["ids"], u["select"]) == (s["prompt_ids"], s["ids"],
                                                             s["select"])
         assert max(abs(a - b) for a, b in zip(s["lp"], u["lp"])) <= 1e-5
+    _tier_moves(vllm_outputs[name]["ulacache_tiered"])
+    n_layers = len(references[name].indexers)
+    for s, t in zip(stock, tiered):
+        assert (t["prompt_ids"], t["ids"]) == (s["prompt_ids"], s["ids"])
+        for layer in range(n_layers):
+            rows = [_recorded_rows(o, layer, n_layers) for o in (s, t)]
+            assert [sorted(r) for r in rows[0]] == [sorted(r) for r in rows[1]], layer
+        assert max(abs(a - b) for a, b in zip(s["lp"], t["lp"])) <= 1e-5

@@ -1,5 +1,9 @@
 """Serve smoke test: `vllm serve <embedded tiny DSA model> --kv-backend ulacache` on
-127.0.0.1 through the project's serve script, concurrent completions, `/metrics` counters."""
+127.0.0.1 through the project's serve script, concurrent completions, `/metrics` counters.
+
+A stock server (`--kv-backend vllm`, the same model, flags and greedy sampling) runs beside
+it: the greedy texts of the pressure workloads (rows demoted to the host pool and promoted
+back, read from `/metrics`) must be stock's, not just ulacache's own on another request."""
 from __future__ import annotations
 
 import concurrent.futures as cf
@@ -42,60 +46,108 @@ def _metric(text: str, name: str) -> float:
     return total
 
 
-@contextlib.contextmanager
-def serve(model, log: Path, extra_args: list[str], timeout: float = 300, env_extra=None):
-    """`scripts/serve.sh MODEL ulacache` on a free 127.0.0.1 port with the tight CPU budget of
-    these tests; yields the base URL once healthy, kills the process group after."""
+# The stock reference servers' KV budget: far above what any workload here holds (no
+# preemption, no pressure), as the engine tests' stock runs.
+STOCK_KV_BYTES = str(256 << 20)
+
+
+def _start(model, log: Path, extra_args: list[str], env_extra=None, backend="ulacache"):
+    """`scripts/serve.sh MODEL BACKEND` on a free 127.0.0.1 port with the tight CPU budget of
+    these tests (ulacache: an 11 MB KV budget and a 6 MiB host pool, both overflowed by the
+    workloads below; stock: ``STOCK_KV_BYTES``); returns (process, base URL)."""
     from _vllm_subprocess import require_engine_marker, vllm_env
 
     require_engine_marker()
     port = _free_port()
     env = vllm_env(dict(
         VENV=str(Path(sys.executable).parent.parent),
-        KV_CACHE_BYTES="11000000", MAX_MODEL_LEN="1024",
+        KV_CACHE_BYTES="11000000" if backend == "ulacache" else STOCK_KV_BYTES,
+        MAX_MODEL_LEN="1024",
         VLLM_LOGGING_LEVEL="INFO"))  # the tests read the startup lines from the log
     env.update(env_extra or {})
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    ula = ["--ula-host-pool-gib", "0.006"] if backend == "ulacache" else []
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            ["bash", str(REPO / "scripts" / "serve.sh"), str(model), "ulacache", "127.0.0.1",
+            ["bash", str(REPO / "scripts" / "serve.sh"), str(model), backend, "127.0.0.1",
              str(port), "--dtype", "float32", "--max-num-seqs", "8",
-             *REFERENCE_PATH_FLAGS,
-             "--ula-host-pool-gib", "0.006", *extra_args],
+             *REFERENCE_PATH_FLAGS, *ula, *extra_args],
             stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + timeout
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_healthy(proc, base: str, log: Path, deadline: float) -> None:
     while time.time() < deadline:
         if proc.poll() is not None:
             pytest.fail(f"server exited early:\n{log.read_text()[-4000:]}")
         try:
             if requests.get(base + "/health", timeout=2).status_code == 200:
-                break
+                return
         except requests.RequestException:
             pass
         time.sleep(2)
-    else:
-        os.killpg(proc.pid, signal.SIGKILL)
-        pytest.fail(f"server did not become healthy:\n{log.read_text()[-4000:]}")
-    try:
-        yield base
-    finally:
+    pytest.fail(f"server did not become healthy:\n{log.read_text()[-4000:]}")
+
+
+def _stop(proc) -> None:
+    if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
     assert proc.poll() is not None
 
 
+@contextlib.contextmanager
+def serve_many(specs: list[dict], timeout: float = 300):
+    """Boots one server per spec (``_start``'s keyword arguments) at the same time and yields
+    their base URLs once all are healthy; stops every one after (also when a boot fails)."""
+    procs = []
+    try:
+        for spec in specs:
+            procs.append((*_start(**spec), spec["log"]))
+        deadline = time.time() + timeout
+        for proc, base, log in procs:
+            _wait_healthy(proc, base, log, deadline)
+        yield [base for _, base, _ in procs]
+    finally:
+        for proc, _, _ in procs:
+            _stop(proc)
+
+
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
+def servers(tiny_model, tmp_path_factory):
+    """The ulacache server under test and a stock (`--kv-backend vllm`) server of the same
+    model and sampling settings, the reference of every greedy text checked here; booted
+    side by side, their compute threads on disjoint CPUs (``side_by_side_binds``)."""
+    from _vllm_subprocess import side_by_side_binds
+
     model = tiny_model("deepseek_v32")
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    d = tmp_path_factory.mktemp("serve")
+    log, stock_log = d / "serve.log", d / "stock.log"
+    binds = side_by_side_binds(2) or [{}, {}]
     # The move-fault control file (`engine/faults.py`): absent, so no faults, until a
     # test writes one.
-    with serve(model, log, [], env_extra={FAULTS_ENV: str(_faults_file(log))}) as base:
-        yield base, str(model), log
+    with serve_many([
+            dict(model=model, log=log, extra_args=[],
+                 env_extra={FAULTS_ENV: str(_faults_file(log)), **binds[0]}),
+            dict(model=model, log=stock_log, extra_args=[], env_extra=binds[1],
+                 backend="vllm")]) as (base, stock_base):
+        yield (base, str(model), log), stock_base
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    """(base URL, model, log) of the ulacache server."""
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def stock(servers):
+    """Base URL of the stock server."""
+    return servers[1]
 
 
 def _faults_file(log: Path) -> Path:
@@ -116,17 +168,45 @@ def _growing_prompts(n: int, growth: int) -> list[str]:
             for i in range(n)]
 
 
-def concurrent_greedy(base, model, n: int, growth: int) -> list[dict]:
+def concurrent_greedy(base, model, n: int, growth: int, stock: str | None = None) -> list[dict]:
     """``n`` concurrent 32-token greedy completions of prompts growing by ``growth`` words;
     checks their lengths and that a repeat of one gives the same text (greedy is
-    deterministic, whichever engine serves it)."""
+    deterministic, whichever engine serves it). With ``stock`` (a stock server's base URL)
+    the same prompts go to it too, at the same time, and every text must be stock's."""
     prompts = _growing_prompts(n, growth)
-    with cf.ThreadPoolExecutor(n) as ex:
-        outs = list(ex.map(lambda p: _complete(base, model, p, 32), prompts))
+    outs, ref = _both(base, stock, model, prompts, 32)
     assert all(o["usage"]["completion_tokens"] == 32 for o in outs)
+    if stock is not None:
+        _assert_texts_equal(outs, ref)
     again = _complete(base, model, prompts[n // 2 - 1], 32)
     assert again["choices"][0]["text"] == outs[n // 2 - 1]["choices"][0]["text"]
     return outs
+
+
+def _both(base, stock, model, prompts, n):
+    """Greedy ``n``-token completions of every prompt from the ulacache server and, when
+    ``stock`` is given, from the stock server, all at once; returns (ulacache completions,
+    stock completions or None)."""
+    with cf.ThreadPoolExecutor(2 * len(prompts)) as ex:
+        ula = [ex.submit(_complete, base, model, p, n) for p in prompts]
+        ref = [ex.submit(_complete, stock, model, p, n) for p in prompts] if stock else None
+        return [f.result() for f in ula], None if ref is None else [f.result() for f in ref]
+
+
+def _assert_texts_equal(outs, ref) -> None:
+    """ulacache's completions against stock's, prompt by prompt (texts and token counts)."""
+    got = [o["choices"][0]["text"] for o in outs]
+    want = [o["choices"][0]["text"] for o in ref]
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    assert len(got) == len(want) and not bad, \
+        f"ulacache differs from stock on prompts {bad}: {[(got[i], want[i]) for i in bad[:2]]}"
+    assert [o["usage"] for o in outs] == [o["usage"] for o in ref]
+
+
+def _moved(m0: str, m1: str) -> dict[str, float]:
+    """Increases of ulacache's tier-movement counters between two `/metrics` texts."""
+    return {k: _metric(m1, f"vllm:ulacache_{k}_total") - _metric(m0, f"vllm:ulacache_{k}_total")
+            for k in ("demotions", "promotions", "lookups", "bytes_moved")}
 
 
 def test_single_completion(server):
@@ -136,15 +216,16 @@ def test_single_completion(server):
     assert out["usage"]["completion_tokens"] == 8
 
 
-def test_concurrent_completions_move_ulacache_metrics(server):
+def test_concurrent_completions_equal_stock_and_move_ulacache_metrics(server, stock):
+    """Eight concurrent greedy completions that outgrow the device pool: every text is the
+    stock server's for the same prompt, and ulacache's counters show the host tier was used
+    (rows demoted and promoted)."""
     base, model, log = server
     before = requests.get(base + "/metrics", timeout=10).text
-    concurrent_greedy(base, model, n=8, growth=15)
-    time.sleep(2)
-    after = requests.get(base + "/metrics", timeout=10).text
-    for name in ("vllm:ulacache_lookups_total", "vllm:ulacache_promotions_total",
-                 "vllm:ulacache_demotions_total", "vllm:ulacache_bytes_moved_total"):
-        assert _metric(after, name) > _metric(before, name), (name, after[-3000:])
+    concurrent_greedy(base, model, n=8, growth=15, stock=stock)
+    after = _pools_back_to_zero(base)
+    moved = _moved(before, after)
+    assert all(v > 0 for v in moved.values()), (moved, after[-3000:])
     assert _metric(after, "vllm:ulacache_device_capacity") > 0
     assert "ulacache KV:" in log.read_text()  # startup summary line
 
@@ -217,17 +298,19 @@ def _pools_back_to_zero(base, timeout: float = 90) -> str:
         time.sleep(1)
 
 
-def test_load_with_client_aborts_leaves_the_pools_clean(server):
+def test_load_with_client_aborts_leaves_the_pools_clean(server, stock):
     """A bounded loopback load beyond the pools' capacity: concurrent streams, a third cut by
     the client mid-stream, some aborted during prefill. Afterwards both pools are back to
-    zero, nothing but the cut requests failed, every uncut stream equals the same prompt's
-    greedy text served alone, and the server still answers."""
+    zero, nothing but the cut requests failed, the load spilled rows to the host and fetched
+    them back, every uncut stream equals the stock server's greedy text for its prompt, and
+    the server still answers."""
     base, model, _ = server
     words = "one two three four five six seven eight nine ten eleven twelve".split()
     prompts = [" ".join(words[(i * 5 + j * (i + 2)) % len(words)] for j in range(60 + 25 * i))
                for i in range(12)]
+    m0 = requests.get(base + "/metrics", timeout=10).text
     jobs = []
-    with cf.ThreadPoolExecutor(12) as ex:
+    with cf.ThreadPoolExecutor(12 + 12) as ex:
         for i, p in enumerate(prompts):
             if i % 4 == 3:
                 jobs.append(("prefill", i, ex.submit(_abort_in_prefill, base, model, p)))
@@ -235,16 +318,20 @@ def test_load_with_client_aborts_leaves_the_pools_clean(server):
                 jobs.append(("cut", i, ex.submit(_stream, base, model, p, 48, 3)))
             else:
                 jobs.append(("full", i, ex.submit(_stream, base, model, p, 48)))
+        # The uncut prompts' stock texts, at the same time (the stock server has its own CPU).
+        ref = {i: ex.submit(_complete, stock, model, prompts[i], 48)
+               for kind, i, _ in jobs if kind == "full"}
         results = [(kind, i, f.result()) for kind, i, f in jobs]  # raises if any failed
+        ref = {i: f.result()["choices"][0]["text"] for i, f in ref.items()}
     full = {i: t for kind, i, t in results if kind == "full"}
     assert len(full) >= 5 and all(t for t in full.values())
     assert any(kind == "prefill" and ok for kind, _, ok in results)
     m = _pools_back_to_zero(base)
     # The load did spill to the host and back (the pools really were under pressure).
-    assert _metric(m, "vllm:ulacache_demotions_total") > 0
-    for i, text in full.items():  # uncut streams: the greedy text the prompt gets alone
-        alone = _complete(base, model, prompts[i], 48)["choices"][0]["text"]
-        assert text == alone, i
+    moved = _moved(m0, m)
+    assert moved["demotions"] > 0 and moved["promotions"] > 0, moved
+    bad = {i: (t, ref[i]) for i, t in full.items() if t != ref[i]}
+    assert not bad, f"uncut streams differ from stock: {bad}"
     assert _complete(base, model, "still serving?", 4)["usage"]["completion_tokens"] == 4
 
 
@@ -261,16 +348,17 @@ def _arm(log: Path, **spec) -> None:
 
 
 @pytest.fixture(scope="module")
-def pressure_batch(server):
+def pressure_batch(server, stock):
     """Eight concurrent greedy completions that outgrow the device pool (rows are demoted
-    and promoted), served without faults: (prompts, texts)."""
+    and promoted), served without faults, each the stock server's text: (prompts, texts)."""
     base, model, _ = server
     prompts = _growing_prompts(8, 15)
     m0 = requests.get(base + "/metrics", timeout=10).text
-    with cf.ThreadPoolExecutor(len(prompts)) as ex:
-        outs = list(ex.map(lambda p: _complete(base, model, p, 32), prompts))
+    outs, ref = _both(base, stock, model, prompts, 32)
     m1 = _pools_back_to_zero(base)
-    assert _metric(m1, "vllm:ulacache_demotions_total") > _metric(m0, "vllm:ulacache_demotions_total")
+    moved = _moved(m0, m1)
+    assert moved["demotions"] > 0 and moved["promotions"] > 0, moved
+    _assert_texts_equal(outs, ref)
     return prompts, [o["choices"][0]["text"] for o in outs]
 
 

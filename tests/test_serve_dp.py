@@ -3,16 +3,21 @@ its own engine core with its own pools; `/metrics` carries ulacache series per e
 
 The model is the tiny DeepSeek-V3.2 with dense MLPs only: vLLM's CPU build cannot run MoE
 layers under DP (stock vLLM fails the same way), and the MLP is irrelevant to the KV path.
+
+The reference is a single-rank stock server of the same model, booted side by side with the
+DP server: a request's greedy text does not depend on which rank serves it or on DP (each
+rank is a whole float32 engine; checked once by hand: a stock DP=2 server gives the
+single-rank stock server's text for every prompt of the workload below), and a stock DP=2
+server would cost two more engine cores.
 """
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import requests
 
-from test_serve import concurrent_greedy, serve
+from test_serve import _moved, _pools_back_to_zero, concurrent_greedy, serve_many
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -27,21 +32,34 @@ def _per_engine(text: str, name: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def dp_server(tiny_model, tmp_path_factory):
+def dp_servers(tiny_model, tmp_path_factory):
+    """(ulacache DP=2 server: base URL, model, log), stock single-rank server's base URL."""
     model = tiny_model("deepseek_v32", first_k_dense_replace=2)  # both layers dense MLP
-    log = tmp_path_factory.mktemp("serve_dp") / "serve.log"
-    with serve(model, log, ["--data-parallel-size", "2"], timeout=400) as base:
-        yield base, str(model), log
+    d = tmp_path_factory.mktemp("serve_dp")
+    log, stock_log = d / "serve.log", d / "stock.log"
+    with serve_many([dict(model=model, log=log, extra_args=["--data-parallel-size", "2"]),
+                     dict(model=model, log=stock_log, extra_args=[], backend="vllm")],
+                    timeout=400) as (base, stock):
+        yield (base, str(model), log), stock
 
 
-def test_dp_ranks_serve_and_report_their_own_pools(dp_server):
-    base, model, log = dp_server
-    concurrent_greedy(base, model, n=16, growth=8)  # spread over both ranks
-    time.sleep(3)
-    text = requests.get(base + "/metrics", timeout=10).text
+def test_dp_ranks_equal_stock_and_move_their_own_tiers(dp_servers):
+    """Sixteen concurrent greedy completions spread over both ranks, more than either rank's
+    pools hold: every text is the stock server's, and each rank's own counters show rows
+    demoted to its host pool and promoted back (its own lookups, capacity, startup line)."""
+    (base, model, log), stock = dp_servers
+    before = requests.get(base + "/metrics", timeout=10).text
+    concurrent_greedy(base, model, n=16, growth=8, stock=stock)
+    text = _pools_back_to_zero(base)
     cap = _per_engine(text, "vllm:ulacache_device_capacity")
     assert set(cap) == {"0", "1"} and all(v > 0 for v in cap.values()), text[-3000:]
-    look = _per_engine(text, "vllm:ulacache_lookups_total")
-    # Requests were spread over both ranks, and each rank's store counted its own lookups.
-    assert set(look) == {"0", "1"} and all(v > 0 for v in look.values()), look
+    moved = {}
+    for k in ("lookups", "demotions", "promotions"):
+        b, a = (_per_engine(t, f"vllm:ulacache_{k}_total") for t in (before, text))
+        moved[k] = {e: a[e] - b.get(e, 0.0) for e in a}
+    # Requests were spread over both ranks, and each rank's store counted its own lookups
+    # and spilled rows to its own host pool and back.
+    for k, per in moved.items():
+        assert set(per) == {"0", "1"} and all(v > 0 for v in per.values()), (k, moved)
+    assert _moved(before, text)["demotions"] == sum(moved["demotions"].values())
     assert log.read_text().count("ulacache KV:") >= 2  # one startup summary per rank
