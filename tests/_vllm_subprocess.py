@@ -158,6 +158,25 @@ def side_by_side_binds(n: int) -> list[dict[str, str]] | None:
             for i in range(n)]
 
 
+def tp_omp_bind(tp: int) -> dict[str, str]:
+    """The environment entry binding a TP=``tp`` CPU engine's ranks to disjoint, equal shares
+    of the CPUs this process may run on (``side_by_side_binds``' shares, one per rank, joined
+    by "|" as ``VLLM_CPU_OMP_THREADS_BIND`` takes them). Each rank's OpenMP threads need cores
+    of their own: with fewer usable CPUs than ranks this fails (AssertionError, naming the
+    CPUs) rather than piling the ranks onto one core or skipping. ``tp`` 1: no entry (vLLM's
+    automatic binding)."""
+    if tp < 2:
+        return {}
+    binds = side_by_side_binds(tp)
+    if binds is None:
+        cpus = sorted(os.sched_getaffinity(0))
+        raise AssertionError(
+            f"a TP={tp} CPU engine binds each rank's threads to cores of its own, but this "
+            f"process may run on {len(cpus)} CPU(s) only (os.sched_getaffinity: {cpus}); "
+            f"give it at least {tp} (taskset, cgroup cpuset)")
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(b["VLLM_CPU_OMP_THREADS_BIND"] for b in binds)}
+
+
 # Keyword arguments every tiny-model LLM needs on the CPU build.
 BASE_LLM_KWARGS: dict[str, Any] = dict(
     enforce_eager=True,
@@ -209,29 +228,76 @@ def host_mla_path() -> str:
     """The path vLLM picks by default for MLA on this host."""
     return "amx" if host_has_amx() else "reference"
 
-# Script fragment (``llm``, ``prompts`` (8+), ``greedy(n)`` and ``abort_tokens`` in scope):
-# four requests stepped through the engine, two aborted mid-decode at the sixth step; leaves
-# ``done``, the finished requests' tokens by id (the survivors "a1", "a3").
+
+# Script fragment (``llm``, ``prompts`` (8+), ``greedy(n)``, ``abort_tokens`` and ``res`` in
+# scope): four requests stepped through the engine, "a0" and "a2" aborted mid-decode after the
+# client's sixth step. The survivors "a1", "a3" ask for ``abort_tokens``; the aborted ones for
+# ABORTED_MAX_TOKENS, far more than six steps make, so they cannot finish before the abort
+# lands even when the engine core runs in its own process a step or two ahead of the client
+# (every prompt here leaves room for them in max_model_len 1024). Records in ``res["abort"]``
+# (checked by ``check_aborts``): what each request had when the abort was sent and at the end,
+# every finished output's tokens and finish reason, and the core's running and waiting
+# requests right after the loop (the gauges of the last step's scheduler stats: a request the
+# client forgot but the core kept running shows there). ``res["abort_survivors"]``: the
+# survivors' tokens by id.
+ABORTED_MAX_TOKENS = 384
 ABORT_TWO_OF_FOUR = """
 eng = llm.llm_engine
+abort_max = {f"a{i}": abort_tokens if i % 2 else @ABORTED_MAX_TOKENS@ for i in range(4)}
 for i in range(4):
-    eng.add_request(f"a{i}", prompts[i + 4], greedy(abort_tokens))
-done, steps = {}, 0
+    eng.add_request(f"a{i}", prompts[i + 4], greedy(abort_max[f"a{i}"]))
+done, seen, steps, at_abort = {}, {}, 0, None
 while eng.has_unfinished_requests():
     for out in eng.step():
+        seen[out.request_id] = len(out.outputs[0].token_ids)
         if out.finished:
-            done[out.request_id] = list(out.outputs[0].token_ids)
+            done[out.request_id] = [list(out.outputs[0].token_ids), out.outputs[0].finish_reason]
     steps += 1
     if steps == 6:
+        at_abort = {k: seen.get(k, 0) for k in ("a0", "a2")}
         eng.abort_request(["a0", "a2"])
-"""
+core = {}
+for m in llm.get_metrics():
+    if m.name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        core[m.name] = core.get(m.name, 0) + m.value
+res["abort"] = {"max_tokens": abort_max, "at_abort": at_abort, "seen": seen, "finished": done,
+                "core_after": core}
+res["abort_survivors"] = {k: v[0] for k, v in done.items() if k in ("a1", "a3")}
+""".replace("@ABORTED_MAX_TOKENS@", str(ABORTED_MAX_TOKENS))
 
-# Script fragment ending a script (``llm``, ``res`` in scope): the ulacache and preemption
-# metrics into ``res["metrics"]``, then ``emit(res)``.
+
+def check_aborts(run: dict[str, Any], ref: dict[str, Any] | None = None) -> None:
+    """``ABORT_TWO_OF_FOUR``'s report: "a0" and "a2" were aborted mid-decode (tokens out when
+    the abort was sent, fewer than they asked for at the end, never finished unless with
+    finish_reason "abort"), the engine core dropped them too (nothing running or waiting once
+    the survivors are done), "a1" and "a3" ran to their length; with ``ref``, the survivors'
+    tokens equal the reference run's."""
+    rep = run["abort"]
+    assert rep["at_abort"] is not None, rep  # the loop reached the abort
+    fin = {k: why for k, (_, why) in rep["finished"].items()}
+    for k in ("a1", "a3"):
+        assert fin.get(k) == "length", (k, fin)
+        assert len(rep["finished"][k][0]) == rep["max_tokens"][k] == rep["seen"][k], (k, rep)
+    for k in ("a0", "a2"):
+        assert fin.get(k, "abort") == "abort", (k, fin)  # LLMEngine sends no final output
+        assert 0 < rep["at_abort"][k] < rep["max_tokens"][k], (k, rep["at_abort"])
+        assert rep["seen"][k] < rep["max_tokens"][k], (k, rep["seen"])
+    assert rep["core_after"] == {"vllm:num_requests_running": 0,
+                                 "vllm:num_requests_waiting": 0}, rep["core_after"]
+    if ref is not None:
+        assert run["abort_survivors"] == ref["abort_survivors"]
+        assert set(ref["abort_survivors"]) == {"a1", "a3"}
+
+
+# Script fragment ending a script (``llm``, ``res`` in scope): the ulacache, preemption and
+# prefix-cache metrics into ``res["metrics"]``, then ``emit(res)``. (``vllm:prefix_cache_queries``
+# counts the prompt tokens the engine core's scheduler looked up in its prefix cache: 0 when
+# prefix caching is off in the running engine.)
 EMIT_WITH_METRICS = """
 metrics = {}
 for m in llm.get_metrics():
-    if m.name.startswith("vllm:ulacache_") or m.name == "vllm:num_preemptions":
+    if m.name.startswith("vllm:ulacache_") or m.name in ("vllm:num_preemptions",
+                                                       "vllm:prefix_cache_queries"):
         metrics[m.name] = getattr(m, "value", None)
 res["metrics"] = metrics
 emit(res)

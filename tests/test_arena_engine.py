@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, run_vllm_script
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, check_aborts,
+                              run_vllm_script, tp_omp_bind)
 
 from ulacache_vllm.engine.faults import ENV as FAULTS_ENV
 
@@ -31,17 +32,18 @@ pytestmark = pytest.mark.engine  # every test here boots vLLM
 SCRIPT = r"""
 from vllm import LLM, SamplingParams
 kw = dict(ARGS["kw"])
-# Pinned on every host: the step budget, and prefix caching off on both sides (ulacache turns
-# it off; stock hybrids may default to it, whose mamba "align" mode changes the schedule).
+# Pinned on every host: the step budget, and prefix caching off on both sides (stock hybrids
+# may default to it, whose mamba "align" mode changes the schedule). The ulacache runs ask for
+# it instead (``_run``): the arena must turn it off, and the same schedule follows.
 llm = LLM(model=ARGS["model"], dtype=ARGS["dtype"], enforce_eager=True, max_model_len=1024,
-          max_num_batched_tokens=1024, enable_prefix_caching=False, seed=0,
-          disable_log_stats=False, **kw)
+          max_num_batched_tokens=1024, seed=0, disable_log_stats=False,
+          **{"enable_prefix_caching": False, **kw})
 words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
          "omicron pi rho sigma tau upsilon").split()
 prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(ARGS["base"] + 12 * i))
            for i in range(8)]
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-res = {}
+res = {"prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
 
 def usage():
     if ARGS["backend"] != "ulacache":
@@ -65,8 +67,7 @@ if faults:  # the abort phase's page copies stall (must change no token)
     arm(fault="stall", moves=["arena"], count=3, seconds=0.2)
 # Abort two requests mid-decode; the survivors must still match the reference.
 abort_tokens = 48
-""" + ABORT_TWO_OF_FOUR + r"""res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
-if faults and ARGS.get("raise_phase"):
+""" + ABORT_TWO_OF_FOUR + r"""if faults and ARGS.get("raise_phase"):
     # Two page-copy steps fail: their requests end with an error; the others run on.
     res["usage_before_faults"] = usage()
     arm(fault="raise", moves=["arena"], skip=1, count=2)
@@ -90,6 +91,10 @@ res["usage_end"] = usage()
 def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=None,
          raise_phase=False):
     kw = {"kv_backend": backend, **kw}
+    if backend == "ulacache":
+        # Asked for; the arena turns it off (its pages are not shared by hash yet):
+        # ``_check_prefix_caching_off``.
+        kw["enable_prefix_caching"] = True
     return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend,
                                          "dtype": dtype, "base": base, "out": out,
                                          "raise_phase": raise_phase}, timeout=900, env=env)
@@ -99,6 +104,13 @@ def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=Non
 # at the same step in both runs (a separate core process may run ahead of the client, and in
 # bf16 another batch at another step is another result).
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+def _check_prefix_caching_off(ula: dict) -> None:
+    """The ulacache run asked for prefix caching (``_run``); the running engine had it off: its
+    config says so, and its scheduler looked up no prompt token in a prefix cache."""
+    assert ula["prefix_caching"] is False, ula["prefix_caching"]
+    assert ula["metrics"]["vllm:prefix_cache_queries"] == 0, ula["metrics"]
 
 
 def _check_clean(u: dict) -> None:
@@ -182,8 +194,9 @@ def test_qwen3_next_same_schedule_parity_with_forced_moves(qwen3_next):
     ref, ula = qwen3_next
     _check_distinct(ref["main"])
     assert ula["main"] == ref["main"]
-    assert ula["abort_survivors"] == ref["abort_survivors"]
-    assert set(ref["abort_survivors"]) == {"a1", "a3"}
+    check_aborts(ref)
+    check_aborts(ula, ref)
+    _check_prefix_caching_off(ula)
     m = ula["metrics"]
     assert m["vllm:num_preemptions"] == 0 == ref["metrics"]["vllm:num_preemptions"]
     # The moves really ran, with real copies, and the tokens did not change.
@@ -203,7 +216,9 @@ def test_sliding_window_pressure_preemption_and_abort_parity(swa_model):
     _check_distinct(ref["main"])
     assert min(ref["prompt_lens"]) > 128  # past the sliding window of 128
     assert ula["main"] == ref["main"]
-    assert ula["abort_survivors"] == ref["abort_survivors"]
+    check_aborts(ref)
+    check_aborts(ula, ref)
+    _check_prefix_caching_off(ula)
     m = ula["metrics"]
     assert (m["vllm:num_preemptions"] > 0) == preempts, m
     assert ref["metrics"]["vllm:num_preemptions"] == 0
@@ -273,7 +288,8 @@ def test_tensor_parallel_2_arena_parity_with_forced_moves(tiny_model):
     requests have arrived, and in bf16 another batch is another result, for stock against
     itself too (benchmarks/results/arena_host_parity.md)."""
     model = str(tiny_model("qwen3_next"))
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1", **IN_PROCESS}
+    # Each rank's threads on cores of their own (fails, naming the CPUs, with fewer than 2).
+    env = {**tp_omp_bind(2), **IN_PROCESS}
     ula = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
         "kv_backend": "ulacache", "kv_cache_memory_bytes": 16 << 20,
         "ula_arena_force_moves": 2}}, timeout=900, env=env)

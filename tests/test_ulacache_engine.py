@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, host_mla_path,
-                              mla_path_kwargs, run_side_by_side, run_vllm_script)
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, check_aborts,
+                              host_mla_path, mla_path_kwargs, run_side_by_side, run_vllm_script,
+                              tp_omp_bind)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -23,14 +24,15 @@ llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_le
           max_num_seqs=8, seed=0, disable_log_stats=False, **kw)
 """
 # The workload (``llm`` in scope; ``ARGS["backend"]``): a 24-token run, two of four requests
-# aborted mid-decode, then 200-token outputs for all prompts; leaves ``res``. The TP=2 tests
-# run it after their own workload in the same engine (``TP_SCRIPT``).
+# aborted mid-decode, then 200-token outputs for all prompts; leaves ``res`` (with the prefix
+# caching setting the engine was built with). The TP=2 tests run it after their own workload
+# in the same engine (``TP_SCRIPT``).
 SCRIPT_WORKLOAD = r"""words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
          "omicron pi rho sigma tau upsilon").split()
 prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(60 + 20 * i))
            for i in range(8)]
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-res = {}
+res = {"prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
 res["main"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))]
 res["prompt_lens"] = [len(o.prompt_token_ids) for o in llm.generate(prompts, greedy(1))]
 
@@ -40,14 +42,22 @@ def usage():
     ranks = llm.collective_rpc("ulacache_usage")
     return ranks[0] if len(ranks) == 1 else ranks
 
+def settle():
+    # With prefix caching on, the full blocks of finished and aborted requests stay cached,
+    # their rows live, until they leave the cache: empty it (both backends: the same schedule
+    # after), and let one request too short to fill a block carry the frees to the workers.
+    if res["prefix_caching"]:
+        res.setdefault("prefix_cache_resets", []).append(llm.reset_prefix_cache())
+        llm.generate(["alpha"], greedy(1))
+
 # Abort two requests mid-decode; the survivors must still match the reference.
 abort_tokens = 64
-""" + ABORT_TWO_OF_FOUR + r"""res["abort_survivors"] = {k: v for k, v in done.items() if k in ("a1", "a3")}
-res["aborted_finished"] = sorted(k for k in done if k in ("a0", "a2"))
+""" + ABORT_TWO_OF_FOUR + r"""settle()
 res["usage_after_abort"] = usage()
 
 # Long outputs for all prompts at once: decode growth exceeds the logical capacity.
 res["long"] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(200))]
+settle()
 res["usage_end"] = usage()
 """
 SCRIPT = SCRIPT_LLM + SCRIPT_WORKLOAD + EMIT_WITH_METRICS
@@ -122,13 +132,30 @@ def test_token_exact_parity_under_pressure(runs):
 
 
 def test_abort_frees_everything_and_survivors_match(runs):
+    """Two of four requests aborted mid-decode end short of their length in the client and
+    in the engine core (``check_aborts``); the survivors equal stock; every pool is empty
+    right after (the aborted requests, far from their length, would still hold rows had the
+    core kept them) and at the end (with prefix caching on, once the cache is emptied:
+    ``settle`` in the workload)."""
     _, ref, ula = runs
-    assert ula["aborted_finished"] == [] or set(ula["aborted_finished"]) <= {"a0", "a2"}
-    assert ula["abort_survivors"] == ref["abort_survivors"]
-    assert set(ref["abort_survivors"]) == {"a1", "a3"}
+    check_aborts(ref)
+    check_aborts(ula, ref)
+    assert ula.get("prefix_cache_resets", []) == [True, True] * ula["prefix_caching"], ula
     for key in ("usage_after_abort", "usage_end"):
         u = ula[key]
         assert u["device_used"] == 0 and u["host_used"] == 0, (key, u)
+
+
+def test_prefix_caching_in_the_running_engine_is_stocks(runs):
+    """A DSA model keeps the prefix caching stock gives it (vLLM's own, over the logical pool):
+    on the AMX path (asked for) the engine was built with it and its scheduler looked prompts
+    up in the prefix cache, on the reference path neither, for ulacache as for stock. So the
+    AMX-path runs above (parity, aborts, preemption under pressure) ran with it on."""
+    _, ref, ula = runs
+    on = ula["path"] == "amx"
+    for side, run in (("ulacache", ula), ("stock", ref)):
+        assert run["prefix_caching"] is on, (side, run["prefix_caching"])
+        assert (run["metrics"]["vllm:prefix_cache_queries"] > 0) is on, (side, run["metrics"])
 
 
 def test_preemption_under_pressure_matches_reference(runs):
@@ -236,7 +263,6 @@ if not ARGS["script"]:
 """ + EMIT_WITH_METRICS
 
 
-TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 # Per-rank KV budget of the shard run: ~1.4k local device + ~0.6k host slots per rank (~4k
 # logical tokens over both), below the ~4.3k tokens the TP workload holds at its peak and
 # below SCRIPT_WORKLOAD's long run: demotions, promotions, remote fetches and preemptions.
@@ -251,6 +277,7 @@ def tp2(tiny_model):
     (``--ula-tp-mode shard``, the default, under pressure; both workloads) and
     ``"replicate"`` (``--ula-tp-mode replicate`` under pressure; the TP workload)."""
     model = str(tiny_model("deepseek_v32"))
+    env = tp_omp_bind(2)  # fails, naming the CPUs, where this process may use fewer than 2
     kws = {
         "stock": ("vllm", True, {"kv_cache_memory_bytes": REF_KV_BYTES}),
         "shard": ("ulacache", True, {"kv_cache_memory_bytes": ULA_SHARD_KV_BYTES,
@@ -267,7 +294,7 @@ def tp2(tiny_model):
             backend, script, kw = kws[which]
             cache[which] = run_vllm_script(TP_SCRIPT, args={
                 "model": model, "backend": backend, "script": script,
-                "kw": {"kv_backend": backend, **REFERENCE_PATH, **kw}}, timeout=900, env=TP_ENV)
+                "kw": {"kv_backend": backend, **REFERENCE_PATH, **kw}}, timeout=900, env=env)
         return cache[which]
     return get
 
@@ -327,8 +354,8 @@ def test_tensor_parallel_2_shard_aborts_and_preemption(tp2):
     workload alone demoted, promoted, fetched remote rows and preempted."""
     ref, ula = tp2("stock"), tp2("shard")
     assert ula["main"] == ref["main"]
-    assert ula["abort_survivors"] == ref["abort_survivors"]
-    assert set(ref["abort_survivors"]) == {"a1", "a3"}
+    check_aborts(ref)
+    check_aborts(ula, ref)
     preempted = ula["metrics"]["vllm:num_preemptions"] - \
         ula["tp"]["metrics"]["vllm:num_preemptions"]
     assert preempted > 0, (ula["metrics"], ula["tp"]["metrics"])
