@@ -13,8 +13,8 @@ HEAD = 8
 BS = 16
 
 
-def row(addrs: torch.Tensor, layer: int) -> torch.Tensor:
-    return (addrs.float() * 10 + layer).unsqueeze(1).expand(-1, HEAD).contiguous()
+def row(addrs: torch.Tensor, layer: int, version: int = 0) -> torch.Tensor:
+    return (addrs.float() * 10 + layer + 1e5 * version).unsqueeze(1).expand(-1, HEAD).contiguous()
 
 
 def make_store(rank: int, world: int, group, device_slots: int, host_slots: int,
@@ -38,11 +38,11 @@ def make_store(rank: int, world: int, group, device_slots: int, host_slots: int,
     return store, mods
 
 
-def write_step(store, mods, addrs, freed=()):
+def write_step(store, mods, addrs, freed=(), version=0):
     store.begin_step(list(freed), {n: addrs for n in mods})
     for li, (name, mod) in enumerate(mods.items()):
         slots = mod.impl.translator.write_slots(name, addrs)
-        mod.kv_cache.view(-1, HEAD).index_copy_(0, slots, row(addrs, li))
+        mod.kv_cache.view(-1, HEAD).index_copy_(0, slots, row(addrs, li, version))
 
 
 def read(mods, logical):
@@ -162,5 +162,39 @@ def replica_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                              for i, n in enumerate(mods))
     log["totals"] = store.totals()
     json.dump(log, open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def rewrite_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """Speculative decoding rewrites rejected drafts' rows in place (the same addresses, no
+    free in between). Rows another rank fetched and buffered must never be served stale
+    after their owner rewrote them: every read after a rewrite sees the new bytes."""
+    group = _init(rank, world, init_file)
+    store, mods = make_store(rank, world, group, device_slots=48, host_slots=512,
+                             remote_slots=64)
+    live = torch.arange(16, 16 + 8 * 64)
+    for s in range(8):  # past one rank's device pool: sharded
+        write_step(store, mods, live[s * 64:(s + 1) * 64])
+    tail = live[-24:]  # "draft" rows: read (fetched, then buffered), then rewritten
+    picks = tail.unsqueeze(0)
+    errors, stale_before = 0, 0
+    for _ in range(2):
+        store.begin_step([], {})
+        got = read(mods, picks)
+        errors += sum(int((got[n][0] != row(tail, li)).any()) for li, n in enumerate(mods))
+    buffered = int((store.groups[0].remote.slots_of(tail[~store.shard.owned(tail)]) >= 0).sum())
+    for version in (1, 2):  # rewritten twice, read in the rewriting step and the next one
+        write_step(store, mods, tail, version=version)
+        got = read(mods, picks)
+        errors += sum(int((got[n][0] != row(tail, li, version)).any())
+                      for li, n in enumerate(mods))
+        store.begin_step([], {})
+        got = read(mods, picks)
+        errors += sum(int((got[n][0] != row(tail, li, version)).any())
+                      for li, n in enumerate(mods))
+    json.dump({"errors": errors, "buffered": buffered, "replicas": store.replicas,
+               "totals": store.totals()},
+              open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
     dist.barrier()
     dist.destroy_process_group()

@@ -407,9 +407,9 @@ def test_tp_shard_mode_refuses_what_it_does_not_support_yet():
     shard, rep = ula_config.UlaSettings(), ula_config.UlaSettings(tp_mode="replicate")
     check_tp_mode(cfg(), shard)
     check_tp_mode(cfg(tp=1, pp=2), shard)  # TP=1: nothing is sharded
+    check_tp_mode(cfg(spec=NS(method="mtp")), shard)  # speculative decoding runs sharded
     for bad, match in ((cfg(pp=2), "pipeline parallelism"),
                        (cfg(dcp=2), "decode_context_parallel_size"),
-                       (cfg(spec=NS(method="mtp")), "speculative decoding"),
                        (cfg(tp=3), "--block-size 48")):
         with pytest.raises(ula_config.KVBackendError, match=match) as e:
             check_tp_mode(bad, shard)

@@ -145,3 +145,11 @@ def test_replicated_while_it_fits_then_shards_then_replicated_again(tmp_path):
         assert r["end_usage"]["device_used"] == 0 and r["end_usage"]["host_used"] == 0, r
         assert r["again_exact"], r
     assert r0["shard_usage"] != r1["shard_usage"] or r0["shard_usage"] < 2 * 136  # shards
+
+
+def test_rows_rewritten_in_place_are_never_served_stale_from_a_remote_buffer(tmp_path):
+    r0, r1 = _spawn(_tp_workers.rewrite_worker, tmp_path)
+    for r in (r0, r1):
+        assert r["replicas"] is False, r  # sharded: the other rank's rows come over the wire
+        assert r["buffered"] > 0, r  # the rows were in the buffer before their rewrite
+        assert r["errors"] == 0, r

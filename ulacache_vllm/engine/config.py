@@ -118,8 +118,7 @@ class UlaSettings:
         "MLA row and indexer key live on rank t mod P only, so P ranks hold P times the "
         "tokens; remote rows are fetched through the TP group into a buffer of recent ones) "
         "or `replicate` (every rank holds every row, as stock vLLM). `shard` needs "
-        "`block_size % P == 0` and refuses speculative decoding, pipeline and context "
-        "parallelism.", choices=lambda: TP_MODES)
+        "`block_size % P == 0` and refuses pipeline and context parallelism.", choices=lambda: TP_MODES)
     remote_buffer_rows: int = _setting(
         0, "int", "TP shard mode: rows per rank and layer group of the buffer of recently "
         "fetched remote rows (default 0: `max_num_seqs * index_topk`, at most 1/32 of the "

@@ -359,10 +359,6 @@ def check_tp_mode(vllm_config: Any, settings: UlaSettings) -> None:
                              f"{pc.pipeline_parallel_size}) yet{fix}")
     refuse_context_parallel(pc, "--ula-tp-mode shard",
                              f" (vLLM's context parallelism shards the KV itself){fix}")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise KVBackendError("--ula-tp-mode shard does not support speculative decoding (MTP) "
-                             "yet: rejected draft tokens rewrite their KV rows in place, which "
-                             f"the remote-row buffers would serve stale{fix}")
     bs = getattr(vllm_config.cache_config, "block_size", None)
     if bs and bs % tp:
         raise KVBackendError(

@@ -354,6 +354,10 @@ class UlaWorkerStore(ShardedRows):
         self.trace.record(self.step, g.gid, "append", slot_mapping)
         with self.timed("write"):
             sm = slot_mapping.reshape(-1).long()
+            if g.remote is not None:
+                # A written address's buffered copy is stale from now on (speculative decoding
+                # rewrites rejected drafts' rows in place): every rank drops it alike.
+                g.remote.invalidate(sm[sm >= 0])
             if self.shard is not None:
                 valid = sm[sm >= 0]  # (marked live in begin_step)
                 if self.replicas:
