@@ -92,7 +92,9 @@ def write_keys(kv_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tens
 
 
 def read_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.Tensor:
-    """Dequantized keys [n, 128] float32 of one request's first n positions."""
+    """Dequantized keys [n, 128] float32 of the first n rows a block-table row addresses in
+    ``kv_cache`` ([blocks, rows per block, 132]: one request's positions, or under TP shard
+    mode this rank's share of them)."""
     bs = kv_cache.shape[1]
     nb = (n + bs - 1) // bs
     values, scales = _cache_views(kv_cache)
@@ -235,13 +237,7 @@ def read_keys_shard(kv_local: torch.Tensor, block_row: torch.Tensor, n: int, sha
     pos = torch.arange(m) * shard.world + shard.rank
     if m == 0:
         return torch.empty(0, kv_local.shape[-1] - 4), pos
-    lb = kv_local.shape[1]
-    nb = (m + lb - 1) // lb
-    values, scales = _cache_views(kv_local)
-    ids = block_row[:nb].long()
-    v = values[ids].reshape(nb * lb, -1)[:m].view(FP8).float()
-    s = scales[ids].reshape(nb * lb, 4)[:m].contiguous().view(torch.float32)
-    return v * s, pos
+    return read_keys(kv_local, block_row, m), pos
 
 
 def _sharded_forward(self, shard, kv_local, md, q_quant, k, weights, T):
