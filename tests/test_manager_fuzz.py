@@ -21,3 +21,16 @@ def test_random_operation_sequences_keep_blocks_and_rows_consistent(seed):
 def test_a_long_manager_only_run():
     stats = run(7, num_ops=4000, worker=False)
     assert stats.reported_dead > 0 and stats.refused > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefix_caching_sequences_keep_blocks_and_rows_consistent(seed):
+    """With vLLM's prefix caching on: shared prefixes hit, cached free blocks keep their rows
+    (in either tier) until reuse evicts them or a reset clears the cache, and every live token
+    still reads its own row."""
+    stats = run(seed, num_ops=600, caching=True)
+    assert stats.hit_tokens > 0 and stats.resets > 0, stats
+    # The pool filled: cached free blocks were evicted to be handed out again.
+    assert stats.reuse_evictions > 0 and stats.reported_dead > 0, stats
+    assert stats.worker_demotions > 0 and stats.worker_promotions > 0, stats
+    assert stats.hit_entries_host > 0, stats  # hits on rows the host tier held
