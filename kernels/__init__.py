@@ -19,25 +19,15 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import importlib
-import importlib.util
-import os
 
 import torch
 
 from . import reference, resolve_reference
+from .dispatch import use_triton
 from .uva import host_view
 
 __all__ = ["compact", "host_view", "impl", "reference", "resolve_impl", "resolve_reference",
            "use_triton"]
-
-
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
-
-
-def use_triton(t: torch.Tensor) -> bool:
-    if os.environ.get("ULACACHE_FORCE_TRITON") == "1":
-        return True
-    return t.is_cuda and _HAS_TRITON
 
 
 def _mod(name: str):

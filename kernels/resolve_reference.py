@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import use_triton
 from .reference import SLOT_BITS, SLOT_MASK
 
 TIER_DEVICE, TIER_HOST = 0, 1  # == core.mapping.DEVICE / HOST (the kernels cannot import core)
@@ -103,8 +104,6 @@ class ResolveState:
                  for_triton: bool | None = None):
         dev = torch.device(device)
         if for_triton is None:
-            from . import use_triton
-
             for_triton = use_triton(torch.empty(0, device=dev))
         self.device = dev
         self.num_logical = num_logical

@@ -85,6 +85,8 @@ def run(seed: int, num_ops: int, num_blocks: int = 48, device_blocks: int = 8,
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher
     from vllm.v1.request import Request
 
+    from ulacache_vllm.engine.dsa.worker import DsaWorker
+
     rng = random.Random(seed)
     mgr = _manager(num_blocks, device_blocks, caching)
     hasher = get_request_block_hasher(BS, sha256) if caching else None
@@ -192,7 +194,7 @@ def run(seed: int, num_ops: int, num_blocks: int = 48, device_blocks: int = 8,
             return
         sm = torch.tensor(step_new, dtype=torch.int64)
         if step_hits:
-            store.count_prefix_hits(list(step_hits))
+            DsaWorker(store).count_prefix_hits(list(step_hits))  # the worker's counting
         step_hits.clear()
         store.begin_step(list(step_freed), {"l.0": sm})
         t = mods["l.0"].impl.translator

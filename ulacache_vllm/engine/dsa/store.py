@@ -62,6 +62,7 @@ from ulacache_vllm.core.remote_buffer import RemoteRowBuffer
 from ..config import UlaSettings
 from ..faults import MoveFaults
 from .tp_shard import IndexerShard, ShardedRows, TokenShard, TPExchange
+from .counters import StoreCounters
 from .trace import StepTrace
 from .translator import GroupTranslator
 
@@ -69,28 +70,6 @@ if TYPE_CHECKING:
     from .sizing import UlaLayout
 
 logger = init_logger("vllm.ulacache.worker_store")
-
-
-@dataclass
-class StoreCounters:
-    lookups: int = 0
-    hits: int = 0
-    promotions: int = 0
-    demotions: int = 0
-    bytes_moved: int = 0
-    fallback_chunks: int = 0  # settles that promoted only part of a step's working set
-    fast_path_exits: int = 0
-    replica_exits: int = 0  # TP shard mode: switches from replicated rows to shards
-    # TP shard mode: unique remote rows read per step, those found in the remote-row buffer,
-    # and those fetched from their owners (rows, bytes).
-    remote_lookups: int = 0
-    remote_hits: int = 0
-    remote_rows_fetched: int = 0
-    remote_bytes_fetched: int = 0
-    failed_copies: int = 0  # tier copies that raised (their requests ended with an error)
-    # Prefix-cache hits: entries of cached blocks new requests took over; those on the host.
-    prefix_hit_entries: int = 0
-    prefix_hit_entries_host: int = 0
 
 
 @dataclass
@@ -274,23 +253,6 @@ class UlaWorkerStore(ShardedRows):
                     self._prepare_writes(g, sm)
             for g in self.groups:
                 g.host_live = not self.identity and g.mapping.host_used > 0
-
-    def count_prefix_hits(self, blocks: list[int]) -> None:
-        """Counts the entries of cached blocks that new requests took over this step, and how
-        many sat in the host tier (outside the forward; counters only)."""
-        bs = self.layout.block_size
-        b = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-        addrs = (b.unsqueeze(1) * bs + torch.arange(bs, device=self.device)).reshape(-1)
-        if self.shard is not None:
-            if self.replicas:
-                self.counters.prefix_hit_entries += int(addrs.numel()) * len(self.groups)
-                return
-            addrs = addrs[self.shard.owned(addrs)] // self.shard.world
-        for g in self.groups:
-            self.counters.prefix_hit_entries += int(addrs.numel())
-            if not self.identity:
-                _, host = g.mapping.locate(addrs)
-                self.counters.prefix_hit_entries_host += int((host >= 0).sum())
 
     def _free(self, freed_blocks: list[int]) -> torch.Tensor | None:
         """Frees the blocks' entries; returns their logical addresses."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from vllm.logger import init_logger
 
 from ..config import UlaSettings, trace_file_for
@@ -43,8 +44,26 @@ class DsaWorker(LineWorker):
         # This step's write slots per layer, from the forward context vLLM set up for it.
         sm = forward_context.slot_mapping
         if step.hits:
-            self.store.count_prefix_hits(step.hits)
+            self.count_prefix_hits(step.hits)
         self.store.begin_step(step.freed, sm if isinstance(sm, dict) else None)
+
+    def count_prefix_hits(self, blocks: list[int]) -> None:
+        """Counts the entries of cached blocks that new requests took over this step, and how
+        many sat in the host tier (outside the forward; counters only)."""
+        st = self.store
+        bs = st.layout.block_size
+        b = torch.tensor(blocks, dtype=torch.int64, device=st.device)
+        addrs = (b.unsqueeze(1) * bs + torch.arange(bs, device=st.device)).reshape(-1)
+        if st.shard is not None:
+            if st.replicas:
+                st.counters.prefix_hit_entries += int(addrs.numel()) * len(st.groups)
+                return
+            addrs = addrs[st.shard.owned(addrs)] // st.shard.world
+        for g in st.groups:
+            st.counters.prefix_hit_entries += int(addrs.numel())
+            if not st.identity:
+                _, host = g.mapping.locate(addrs)
+                st.counters.prefix_hit_entries_host += int((host >= 0).sum())
 
     def take_lost(self) -> set[int]:
         return self.store.take_lost_blocks()
