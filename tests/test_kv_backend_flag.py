@@ -293,7 +293,7 @@ res["plugins_loaded_before"] = vllm.plugins.plugins_loaded
 
 def attempt(cls, **kw):
     try:
-        a = cls(model="m", **kw)
+        a = cls(model=ARGS["model"], **kw)
         return dict(kv_backend=a.kv_backend, additional_config=a.additional_config,
                     host_pool_gib=a.ula_host_pool_gib, lru=a.ula_lru)
     except Exception as e:
@@ -340,12 +340,15 @@ emit(res)
 """
 
 
-def test_engine_args_take_the_settings_from_the_first_import_of_vllm():
+def test_engine_args_take_the_settings_from_the_first_import_of_vllm(tiny_model):
     """`EngineArgs(model, kv_backend=..., ula_*=...)` and `AsyncEngineArgs(...)` work in a fresh
-    interpreter before (here: without) vLLM's plugins, validated as `LLM(...)` validates."""
+    interpreter before (here: without) vLLM's plugins, validated as `LLM(...)` validates.
+    (A local model directory: with the hub offline, vLLM's argument checks may look a bare
+    name up and fail.)"""
     from _vllm_subprocess import run_vllm_script
 
-    res = run_vllm_script(ENGINE_ARGS_SCRIPT, boots_engine=False, timeout=300,
+    res = run_vllm_script(ENGINE_ARGS_SCRIPT, args={"model": str(tiny_model("deepseek_v32"))},
+                          boots_engine=False, timeout=300,
                           env={"VLLM_PLUGINS": "no_such_plugin"})
     assert not res["vllm_preloaded"] and not res["plugins_loaded_before"]
     for n in ("EngineArgs", "AsyncEngineArgs"):
