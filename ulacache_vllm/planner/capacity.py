@@ -1,8 +1,8 @@
 """Concurrent requests of one length that fit a cluster, per KV scheme.
 
 Invariants: every figure comes from the code that sizes the real thing. ulacache rows call
-the engine's own sizing, looked up on its module at call time: `engine.sizing.plan_layout`
-for DSA models, `engine.arena_sizing.plan_arena` (the hybrids' arena) for hybrids; stock and
+the engine's own sizing, looked up on its module at call time: `engine.dsa.sizing.plan_layout`
+for DSA models, `engine.arena.sizing.plan_arena` (the hybrids' arena) for hybrids; stock and
 HiSparse rows call vLLM's own `get_kv_cache_groups` / `get_kv_cache_config_from_groups` /
 `get_max_concurrency_for_kv_cache_config` and HiSparse layout functions. All of them run on
 a namespace standing in for `VllmConfig`; the planner's own code builds only the inputs (the
@@ -28,9 +28,10 @@ from .model import (
     kv_dtype_of,
     state_bytes,
 )
+from .assumptions import assumptions
+from .budget import GIB, hisparse_shared_ranks, kv_budget, weights_per_gpu  # noqa: F401
 from .presets import CLUSTER_PRESETS, WEIGHT_BYTES
 
-GIB = 1 << 30
 DSA_BLOCK_SIZE = 64  # FlashMLA sparse (DeepSeek-V3.2 / GLM DSA on GPU) reads 64-token pages
 
 
@@ -196,33 +197,6 @@ def vllm_config(model: ModelShape, cluster: Cluster, request_tokens: int, *,
         if cluster.batch_tokens_defaulted else {})
 
 
-# ---------------------------------------------------------------- budget
-
-def weights_per_gpu(model: ModelShape, cluster: Cluster, experts_over: str) -> float:
-    """Dense weights split over TP; routed experts over TP x DP (expert parallelism over the
-    whole cluster, ``experts_over='gpus'``) or over TP only."""
-    for dt in (model.weights_dtype, model.expert_weights_dtype):
-        if dt not in WEIGHT_BYTES:
-            raise PlannerError(f"unknown weights dtype {dt!r}; one of {', '.join(WEIGHT_BYTES)}")
-    ep = cluster.tp * cluster.dp if experts_over == "gpus" else cluster.tp
-    return (model.dense_params * WEIGHT_BYTES[model.weights_dtype] / cluster.tp
-            + model.expert_params * WEIGHT_BYTES[model.expert_weights_dtype] / ep)
-
-
-def kv_budget(model: ModelShape, cluster: Cluster, experts_over: str) -> tuple[int, float]:
-    w = weights_per_gpu(model, cluster, experts_over)
-    if cluster.kv_bytes_per_gpu is not None:
-        return int(cluster.kv_bytes_per_gpu), w
-    kv = int(cluster.gpu_gib * GIB * cluster.gpu_util - w - cluster.activation_reserve_gib * GIB)
-    if kv <= 0:
-        raise PlannerError(
-            f"no KV memory left: {cluster.gpu_gib:g} GiB x {cluster.gpu_util:g} utilisation - "
-            f"{w / GIB:.1f} GiB weights per GPU - {cluster.activation_reserve_gib:g} GiB "
-            f"activation reserve = {kv / GIB:.1f} GiB. Use more GPUs or a larger --tp, a "
-            f"smaller --weights-dtype, or lower --activation-reserve-gib.")
-    return kv, w
-
-
 # ---------------------------------------------------------------- schemes
 
 def _blocks_per_request(request_tokens: int, block_size: int) -> int:
@@ -250,12 +224,6 @@ def stock_row(plan: Plan, specs: dict, key: str, label: str, mamba_cache_mode="n
     n = int(conc)
     return Row(key, label, tokens=int(conc * plan.request_tokens), requests=n,
                cluster_requests=n * plan.cluster.dp, device_bytes=plan.kv_budget)
-
-
-def hisparse_shared_ranks(cluster: Cluster) -> int:
-    """TP ranks sharing vLLM's HiSparse host pool: all of an engine's ranks when TP > 1 and
-    they sit on one node (vLLM also needs no PP/CP and the mp executor); else none (1)."""
-    return cluster.tp if 1 < cluster.tp <= cluster.gpus_per_node else 1
 
 
 def hisparse_row(plan: Plan, specs: dict, shared: bool) -> Row:
@@ -444,116 +412,3 @@ def plan(model: ModelShape, cluster: Cluster, request_tokens: int, *,
             p.rows.append(Row(key, label, error=why))
     p.assumptions = assumptions(p, experts_over)
     return p
-
-
-def assumptions(p: Plan, experts_over: str) -> list[str]:
-    m, cl, L = p.model, p.cluster, p.request_tokens
-    ep = cl.tp * cl.dp if experts_over == "gpus" else cl.tp
-    out = list(m.notes) + list(cl.notes)
-    out.append(f"cluster: {cl.gpus} GPUs = DP {cl.dp} engines x TP {cl.tp}; "
-               f"{cl.gpus_per_node} GPUs per node")
-    wb, eb = WEIGHT_BYTES[m.weights_dtype], WEIGHT_BYTES[m.expert_weights_dtype]
-    out.append(
-        f"weights per GPU {p.weights_per_gpu / GIB:.1f} GiB = dense {m.dense_params / 1e9:.1f}B "
-        f"params x {wb:g} B ({m.weights_dtype}) / TP {cl.tp} + routed experts "
-        f"{m.expert_params / 1e9:.1f}B x {eb:g} B ({m.expert_weights_dtype}) / EP {ep} "
-        + ("(expert parallelism over all TP x DP GPUs)" if experts_over == "gpus"
-           else "(experts over the TP ranks only)")
-        + "; replicated small projections, norms, biases, FP8 block scales and the MTP "
-          "layer are left out")
-    if cl.kv_bytes_per_gpu is not None:
-        out.append(f"KV budget per GPU given directly: {p.kv_budget} bytes "
-                   f"({p.kv_budget / GIB:.2f} GiB)")
-    else:
-        out.append(
-            f"KV budget per GPU {p.kv_budget / GIB:.1f} GiB = {cl.gpu_gib:g} GiB x "
-            f"{cl.gpu_util:g} (gpu_memory_utilization) - weights - "
-            f"{cl.activation_reserve_gib:g} GiB activation/CUDA-graph reserve "
-            f"(--activation-reserve-gib)")
-    out.append(f"every request is {L} tokens (prompt + output) and is the engine's "
-               f"max_model_len; counts are concurrent requests whose KV fits, not throughput")
-    if m.kind == "dsa":
-        mla = sum(s.page_size_bytes for n, s in dsa_specs(m, p.kv_dtype, 1).items()
-                  if not n.endswith("k_cache"))
-        idx = sum(s.page_size_bytes for n, s in dsa_specs(m, p.kv_dtype, 1).items()
-                  if n.endswith("k_cache"))
-        out.append(f"KV per token: MLA {mla} B ({p.kv_dtype} rows, "
-                   f"{m.config['num_hidden_layers']} layers) + indexer keys {idx} B; "
-                   f"block size {p.block_size}")
-        out.append("stock: vLLM's get_kv_cache_groups / get_kv_cache_config_from_groups / "
-                   "get_max_concurrency_for_kv_cache_config; MLA specs have max_tp_shards=1, "
-                   "so every TP rank holds every token's MLA row and indexer key")
-        out.append(
-            f"HiSparse: vLLM 0.32's HiSparse layout and steady-state concurrency "
-            f"(device: indexer keys of every token + a hot buffer of 2 x index_topk rows "
-            f"and 2 resident tail pages per layer group; host: every MLA row, a copy, not "
-            f"exclusive). Host copy per rank: each rank pins {cl.host_gib_per_gpu:g} GiB. "
-            f"Shared: one pool of {cl.host_gib_per_gpu:g} GiB x {hisparse_shared_ranks(cl)} "
-            f"ranks per engine (vLLM shares it when TP > 1 within a node, no PP/CP)")
-        pool = (f"{p.ula_host_pool_gib:g} (given)" if p.ula_host_pool_gib is not None else
-                f"{cl.host_gib_per_gpu:g} (or the largest smaller pool the engine starts with)")
-        out.append(
-            f"ulacache: engine.sizing.plan_layout with UlaSettings(host_pool_gib="
-            f"{pool}, tp_mode=replicate|shard): device = indexer keys of "
-            f"every logical token (of its share in shard mode) + device MLA rows + 1 B/token "
-            f"placeholders per layer; host pool per rank; exclusive residency (logical = "
-            f"device + host rows); shard mode: token t on rank t mod {cl.tp}, minus a "
-            f"remote-row buffer (default: max_num_seqs x index_topk rows, at most 1/16 of "
-            f"the device rows)")
-        out.append(f"scheduler: max_num_batched_tokens {cl.max_num_batched_tokens} "
-                   f"({'vLLM default' if cl.batch_tokens_defaulted else 'given'}), "
-                   f"max_num_seqs {cl.max_num_seqs}, chunked prefill "
-                   f"{'on' if cl.chunked_prefill else 'off'} (ulacache's startup checks and "
-                   f"remote buffer read them)")
-    else:
-        tok = attention_token_bytes(m, p.kv_dtype, cl.tp)
-        heads = m.config["num_key_value_heads"]
-        out.append(f"attention KV per token per layer per rank: {tok} B ({p.kv_dtype}; "
-                   f"{heads} KV heads over TP {cl.tp}: {max(1, heads // cl.tp)} per rank"
-                   + (f", replicated {cl.tp // heads}x" if cl.tp > heads else "") + ")")
-        from ulacache_vllm.engine.arena import sizing as arena_sizing
-        from ulacache_vllm.engine.arena.sizing import ARENA_BLOCK_SIZE
-
-        arena = (f"ulacache arena: engine.arena_sizing.plan_arena (the engine's startup "
-                 f"sizing) on the specs the engine builds under --kv-backend ulacache: "
-                 f"layers grouped by spec, one page per group holding all its layers, pages "
-                 f"rounded up to the arena's alignment (a power of two dividing the page "
-                 f"sizes, doubled until the arena has at most {arena_sizing.MAX_GRANULES} "
-                 f"granules), a null page reserved; attention in "
-                 f"{ARENA_BLOCK_SIZE}-token pages; {{}}; prefix caching off (ulacache turns it "
-                 f"off). The engine runs the arena on vLLM's CPU build (TP included: every rank "
-                 f"runs the same plan on its heads' share of each page); on GPUs this is its "
-                 f"sizing per rank, not a configuration it starts yet")
-        if m.kind == "gdn":
-            shapes, dtypes = gdn_state(m, cl.tp)
-            st = state_bytes(shapes, dtypes)
-            out.append(f"GDN state per layer per rank: {st} B (conv {shapes[0]} "
-                       f"{str(dtypes[0]).removeprefix('torch.')}, SSM {shapes[1]} "
-                       f"{str(dtypes[1]).removeprefix('torch.')}: --mamba-ssm-cache-dtype "
-                       f"{m.mamba_ssm_cache_dtype}, vLLM's default 'auto' is the model dtype; "
-                       f"its CPU build forces float32 on AVX512-BF16 hosts)")
-            out.append(
-                f"stock HMA: attention block {p.block_size} tokens so that its page "
-                f"({p.block_size * tok} B) holds one GDN state ({st} B, padded up to the "
-                f"page); mamba_cache_mode 'align' (prefix caching on, vLLM's default for "
-                f"hybrids): 2 state pages per GDN layer group per request; vLLM's own "
-                f"grouping and concurrency functions")
-            out.append(arena.format(f"one {st} B state page per GDN layer per request "
-                                    f"(exactly the state's bytes, no padding, no "
-                                    f"prefix-cache checkpoints)"))
-        else:
-            out.append(
-                f"stock HMA: {p.block_size}-token blocks (FlashAttention); a sliding layer "
-                f"reserves window - 1 + max_num_batched_tokens ({cl.max_num_batched_tokens}) "
-                f"tokens per request (vLLM's admission bound for tokens in flight); vLLM's "
-                f"own grouping and concurrency functions")
-            out.append(arena.format(
-                f"a sliding layer ({m.config['sliding_window']}-token window) reserves "
-                f"vLLM's admission cap, SlidingWindowSpec.max_admission_blocks_per_request "
-                f"(window - 1 + {cl.max_num_batched_tokens} tokens in flight, + 1 page), "
-                f"in its own {ARENA_BLOCK_SIZE}-token pages"))
-        out.append("HiSparse and the ulacache DP / TP shard rows do not apply (they serve DSA "
-                   "sparse-MLA models)")
-    out.append("not modelled: prefix-cache reuse, speculative decoding, fragmentation from "
-               "mixed request lengths, PCIe / NVLink bandwidth (capacity only)")
-    return out
