@@ -56,7 +56,7 @@ def configurations(a) -> list[tuple[str, list[str]]]:
     return [
         ("stock-D", common + ["--kv-backend", "vllm", "--kv-cache-memory-bytes", str(D)]),
         ("stock-D+H", common + ["--kv-backend", "vllm", "--kv-cache-memory-bytes", str(D + H)]),
-        ("ulacache-D/H", common + ["--kv-backend", "ulacache", "--kv-cache-memory-bytes", str(D),
+        ("ulacache-D+host-H", common + ["--kv-backend", "ulacache", "--kv-cache-memory-bytes", str(D),
                                    "--ula-host-pool-gib", f"{H / (1 << 30):.6f}"]),
     ]
 
