@@ -1,4 +1,5 @@
-"""TP shard mode with speculative decoding (MTP, two draft tokens): the paper's headline setup.
+"""TP shard mode with speculative decoding (MTP, two draft tokens) and prefix caching on: the
+paper's headline setup.
 Rejected drafts' rows are rewritten in place at the next step; every rank drops a written
 address from its remote-row buffer before that step reads (`store._prepare_writes`), so no
 rank serves a stale copy. Greedy output equals stock TP=2 with the same speculative settings,
@@ -22,9 +23,15 @@ llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_le
 words = "one two three four one two three four five six".split()
 prompts = [" ".join(words[(i + j) % len(words)] for j in range(90 + 30 * i)) for i in range(8)]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, ignore_eos=True))
+# Prefix caching is on (both sides): the first prompts again, with new endings, hit the
+# cached blocks of the first wave, wherever their rows now sit (tier, owner rank).
+again = llm.generate([p + " five six" for p in prompts[:4]],
+                     SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
 m = {x.name: getattr(x, "value", None) for x in llm.get_metrics()
-     if x.name.startswith("vllm:ulacache_") or x.name.startswith("vllm:spec_decode_")}
-res = {"out": [o.outputs[0].token_ids for o in outs], "metrics": m}
+     if x.name.startswith("vllm:ulacache_") or x.name.startswith("vllm:spec_decode_")
+     or x.name == "vllm:prefix_cache_hits"}
+res = {"out": [o.outputs[0].token_ids for o in outs], "metrics": m,
+       "again": [o.outputs[0].token_ids for o in again]}
 if ARGS["kw"]["kv_backend"] == "ulacache":
     res["usage"] = llm.collective_rpc("ulacache_usage")
 emit(res)
@@ -40,7 +47,7 @@ ULA_HOST_GIB = 0.004
 def runs(tiny_model):
     model = str(tiny_model("deepseek_v32", num_nextn_predict_layers=1))
     env = tp_omp_bind(2)  # fails, naming the CPUs, where this process may use fewer than 2
-    base = {**mla_path_kwargs("reference")}
+    base = {**mla_path_kwargs("reference"), "enable_prefix_caching": True}
     ref = run_vllm_script(SCRIPT, args={"model": model, "kw": {
         "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES, **base}},
         timeout=900, env=env)
@@ -54,6 +61,7 @@ def runs(tiny_model):
 def test_shard_mode_mtp_equals_stock_tp2_under_pressure(runs):
     ula, ref = runs
     assert ula["out"] == ref["out"]
+    assert ula["again"] == ref["again"]
     m = ula["metrics"]
     assert m["vllm:spec_decode_num_drafts"] > 0, m
     # The same drafts judged alike: acceptance equals stock's on the same requests.
@@ -67,3 +75,6 @@ def test_shard_mode_mtp_equals_stock_tp2_under_pressure(runs):
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
     assert m["vllm:ulacache_remote_rows_fetched"] > 0, m
     assert all(u["tp_mode"] == "shard" and u["tp_world"] == 2 for u in ula["usage"])
+    # Prefix caching under shard mode: the second wave hit the first wave's cached blocks.
+    assert m["vllm:prefix_cache_hits"] > 0 and ref["metrics"]["vllm:prefix_cache_hits"] > 0, m
+    assert m["vllm:ulacache_prefix_hit_entries"] > 0, m
