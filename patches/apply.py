@@ -12,12 +12,13 @@ from . import (
     hybrid_block_size,
     kv_cache_sizing,
     llm_kwargs,
+    mamba_align_translate,
     rotary_cpu,
 )
 
 ALL = (engine_args, cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu,
        cpu_sparse_attention, cpu_mla_path, kv_cache_sizing, hybrid_block_size,
-       block_table_translate)
+       block_table_translate, mamba_align_translate)
 
 
 def apply_all() -> None:

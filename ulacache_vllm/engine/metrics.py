@@ -21,7 +21,7 @@ COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallba
             "prefix_hit_entries_host")
 # The arena (hybrid models): cumulative counters from the scheduler, shipped per step.
 ARENA_COUNTERS = ("arena_compactions", "arena_relayouts", "arena_pages_moved",
-                  "arena_bytes_copied")
+                  "arena_bytes_copied", "arena_cached_pages_moved", "arena_cache_evictions")
 ARENA_KIND_BASES = ("full", "sliding", "state")
 ARENA_GAUGES = ("arena_used_bytes", "arena_free_bytes", "arena_withheld_bytes",
                 "arena_total_bytes") + tuple(f"arena_used_{k}_bytes" for k in ARENA_KIND_BASES)
@@ -106,6 +106,8 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "arena_relayouts": "Arena (hybrid models): relayouts run (every movable page slid to its band's base).",
             "arena_pages_moved": "Arena (hybrid models): pages moved by compactions and relayouts.",
             "arena_bytes_copied": "Arena (hybrid models): bytes copied by compactions and relayouts.",
+            "arena_cached_pages_moved": "Arena (hybrid models): prefix-cached pages (held or free-but-cached) moved by compactions and relayouts (their vids and hashes stay).",
+            "arena_cache_evictions": "Arena (hybrid models): free-but-cached pages evicted from the prefix cache to make room (the arena's reclaim).",
         }
         self.counters = {
             k: self._make(self._counter_cls, f"vllm:ulacache_{k}", h) for k, h in help_.items()

@@ -21,10 +21,13 @@ rewrites no block table: the worker translates vids to granules before every for
 from __future__ import annotations
 
 import copy
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-from vllm.v1.core.block_pool import BlockPool
+from vllm.distributed.kv_events import AllBlocksCleared
+from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.logger import init_logger
@@ -88,6 +91,41 @@ class _ArenaState:
         self._sent = np.full(0, -1, np.int64)  # the v2p table the worker has (vid 0 included)
         self.dirty = False  # pages freed since the last plan (the worker's figures are stale)
         self.min_page = min(self.arena.page_bytes[1:])
+        # Prefix caching: every live vid's one KVCacheBlock, the kind pools (each with its LRU
+        # of free-but-cached pages), the LRU clock, and whether vLLM's allocate_slots runs.
+        self.live: dict[int, KVCacheBlock] = {}
+        self.pools: list = []
+        self.lru_stamp: dict[int, int] = {}
+        self.clock = itertools.count()
+        self.allocating = False
+        self.cache_stats = {"cached_pages_moved": 0, "cache_evictions": 0}
+
+    # A per-kind page demand this large means "not this step" (Mamba's same-step-hit sentinel).
+    DEFER = 1 << 40
+
+    def release(self, vids) -> None:
+        for v in vids:
+            self.live.pop(v, None)
+        self.arena.release(np.asarray(vids, np.int64))
+        self.dirty = True
+
+    def cached_free_bytes(self) -> int:
+        page = self.arena.page_bytes
+        return sum(len(p.lru) * page[p._kind] for p in self.pools)
+
+    def evict_for(self, need_bytes: int, keep: set[int]) -> int:
+        """The arena's reclaim: evict the coldest free-but-cached pages (not in ``keep``: a
+        request's own hits) until ``need_bytes`` are free; returns the pages evicted."""
+        cold = sorted((self.lru_stamp[v], v, p) for p in self.pools for v in p.lru
+                      if v not in keep)
+        n = 0
+        for _, v, pool in cold:
+            if self.arena.free_bytes >= need_bytes:
+                break
+            pool.evict_page(self.live[v])
+            n += 1
+        self.cache_stats["cache_evictions"] += n
+        return n
 
     def staged_count(self) -> int:
         return sum(len(v) for v in self.staged.values())
@@ -108,6 +146,13 @@ class _ArenaState:
         page_bytes = np.asarray(self.arena.page_bytes, np.int64)
         new = np.unique(np.asarray(self.new, np.int64))
         new = new[v2p[new] >= 0] if len(new) else new
+        if self.live and len(changed):
+            # Cached pages (held or free-but-cached) this plan moves: the copy is in the plan,
+            # their vids (and hashes) stay.
+            moved = np.setdiff1d(changed, new)
+            self.cache_stats["cached_pages_moved"] += sum(
+                1 for v in moved.tolist()
+                if v in self.live and self.live[v].block_hash is not None)
         zero = np.zeros((0, 2), np.int64)
         if len(new):
             zero = np.stack([v2p[new], page_bytes[kind[new]]], axis=1)
@@ -122,61 +167,137 @@ class _ArenaState:
 
 class ArenaBlockPool(BlockPool):
     """A vLLM block pool over arena pages of one kind (``kind`` None: the front pool the
-    coordinator and scheduler see; it frees any kind and reports bytes as usage)."""
+    coordinator and scheduler see; it forwards frees and evictions to each block's own pool
+    and reports bytes as usage).
 
-    def __init__(self, state: _ArenaState, kind: int | None, hash_block_size: int) -> None:
-        super().__init__(1, enable_caching=False, hash_block_size=hash_block_size)
+    Prefix caching: one persistent ``KVCacheBlock`` per live vid (``_ArenaState.live``),
+    hashed by vLLM's own ``cache_full_blocks``. A hashed page whose last holder frees it stays
+    live in this pool's LRU (``lru``, coldest first) and is hittable; it goes back to the arena
+    only when the arena's reclaim evicts it (``_ArenaState.evict_for``), through
+    ``evict_blocks`` or ``reset_prefix_cache``. Unhashed pages go back at once."""
+
+    def __init__(self, state: _ArenaState, kind: int | None, hash_block_size: int,
+                 enable_caching: bool = False, enable_kv_cache_events: bool = False) -> None:
+        super().__init__(1, enable_caching=enable_caching, hash_block_size=hash_block_size,
+                         enable_kv_cache_events=enable_kv_cache_events)
         self._state = state
         self._kind = kind
         self.null_block = state.null_block
         self.blocks = []  # no per-block list: vids are created on allocation
+        self.lru: OrderedDict[int, KVCacheBlock] = OrderedDict()  # free-but-cached pages
+        if kind is not None:
+            # Mamba's "hit made this step, retry next step" sentinel (num_gpu_blocks + 1)
+            # must read as a demand no arena fits (``_ArenaState.DEFER``).
+            self.num_gpu_blocks = _ArenaState.DEFER - 1
+            state.pools.append(self)
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        staged = self._state.staged.get(self._kind, [])
+        st = self._state
+        staged = st.staged.get(self._kind, [])
         if num_blocks > len(staged):
             raise ValueError(f"ulacache arena: {num_blocks} pages of kind {self._kind} taken, "
                              f"{len(staged)} staged (the allocation count diverged)")
-        vids, self._state.staged[self._kind] = staged[:num_blocks], staged[num_blocks:]
+        vids, st.staged[self._kind] = staged[:num_blocks], staged[num_blocks:]
         out = []
         for v in vids:
+            if v in st.live:
+                raise RuntimeError(f"ulacache arena: vid {v} handed out while still live")
             blk = KVCacheBlock(v, pool=self)
             blk.ref_cnt = 1
+            st.live[v] = blk
             out.append(blk)
         return out
 
     def free_blocks(self, ordered_blocks) -> None:
-        dead = []
+        dead, others = [], {}
         for blk in ordered_blocks:
             if blk.is_null:
                 continue
+            if blk.pool is not None and blk.pool is not self:
+                others.setdefault(blk.pool, []).append(blk)
+                continue
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
-                dead.append(blk.block_id)
+                if self.enable_caching and blk.block_hash is not None:
+                    self.lru[blk.block_id] = blk  # cold end last: evicted after older pages
+                    self._state.lru_stamp[blk.block_id] = next(self._state.clock)
+                else:
+                    dead.append(blk.block_id)
         if dead:
-            self._state.arena.release(np.asarray(dead, np.int64))
-            self._state.dirty = True
+            self._state.release(dead)
+        for pool, blocks in others.items():
+            pool.free_blocks(blocks)
 
-    def touch(self, blocks) -> None:  # prefix caching is off under ulacache
+    def touch(self, blocks) -> None:
         for blk in blocks:
-            if not blk.is_null:
-                blk.ref_cnt += 1
+            if blk.is_null:
+                continue
+            if blk.ref_cnt == 0:
+                self.lru.pop(blk.block_id)
+                self._state.lru_stamp.pop(blk.block_id, None)
+            blk.ref_cnt += 1
 
     def get_num_free_blocks(self) -> int:
         st = self._state
-        if st.staged_count():  # inside allocate_slots: exactly what was placed
-            return st.staged_count()
-        return st.arena.free_bytes // st.min_page
+        if st.allocating:  # inside allocate_slots: the arena already placed every page
+            return 1 << 62
+        return (st.arena.free_bytes + st.cached_free_bytes()) // st.min_page
 
     def get_usage(self) -> float:
-        a = self._state.arena
+        # Free-but-cached pages count as free, as in stock vLLM.
+        st = self._state
+        a = st.arena
         null = a.page_bytes[0]
-        return (a.used_bytes - null) / max(1, a.total_bytes - null)
+        used = a.used_bytes - null - st.cached_free_bytes()
+        return used / max(1, a.total_bytes - null)
+
+    def evict_page(self, blk: KVCacheBlock) -> bool:
+        """Drop ``blk``'s hashes; a page no request holds goes back to the arena."""
+        evicted = self._maybe_evict_cached_block(blk)
+        if blk.ref_cnt == 0 and self.lru.pop(blk.block_id, None) is not None:
+            self._state.lru_stamp.pop(blk.block_id, None)
+            self._state.release([blk.block_id])
+        return evicted
 
     def evict_blocks(self, block_ids) -> None:
-        return None
+        live = self._state.live
+        for vid in block_ids:
+            blk = live.get(int(vid))
+            if blk is not None:
+                blk.pool.evict_page(blk)
 
     def reset_prefix_cache(self) -> bool:
+        st = self._state
+        held = len(st.live) - sum(len(p.lru) for p in st.pools)
+        if held:
+            logger.warning("Failed to reset prefix cache because some pages (%d) are not "
+                           "freed yet", held)
+            return False
+        if self._kind is None:
+            pools = st.pools
+        else:
+            pools = [self]
+        for pool in pools:
+            vids = list(pool.lru)
+            pool.lru.clear()
+            for v in vids:
+                st.lru_stamp.pop(v, None)
+                st.live[v].reset_hash()
+            if vids:
+                st.release(vids)
+            pool.cached_block_hash_to_block = BlockHashToBlockMap()
+            pool.cached_block_hashes_by_block.clear()
+            if pool.enable_kv_cache_events:
+                pool.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self):
+        if self._kind is not None:
+            return super().take_events()
+        out = []
+        for pool in self._state.pools:
+            out.extend(pool.take_events())
+        return out
 
 
 class ArenaKVCacheManager(LineManager, KVCacheManager):
@@ -191,10 +312,11 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         self.layout = layout
         st = self._state = _ArenaState(layout)
         hbs = self.coordinator.block_pool.hash_block_size
+        events = self.coordinator.block_pool.enable_kv_cache_events
         for i, mgr in enumerate(self.coordinator.single_type_managers):
-            mgr.block_pool = ArenaBlockPool(st, i + 1, hbs)
+            mgr.block_pool = ArenaBlockPool(st, i + 1, hbs, self.enable_caching, events)
             mgr._null_block = st.null_block
-        front = ArenaBlockPool(st, None, hbs)
+        front = ArenaBlockPool(st, None, hbs, self.enable_caching, events)
         self.coordinator.block_pool = front
         self.block_pool = front
         self.arena = st.arena
@@ -205,12 +327,13 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
 
     # -------------------------------------------------------------- allocation
     def _group_counts(self, request, num_tokens_need_slot: int, total_computed: int,
-                      num_tokens_main_model: int, prefill_end: int, cap: bool) -> dict[int, int]:
-        empty = self.empty_kv_cache_blocks.blocks
+                      num_tokens_main_model: int, prefill_end: int, cap: bool,
+                      hits=None) -> dict[int, int]:
+        hits = self.empty_kv_cache_blocks.blocks if hits is None else hits
         out = {}
         for i, mgr in enumerate(self.coordinator.single_type_managers):
             n = mgr.get_num_blocks_to_allocate(
-                request.request_id, num_tokens_need_slot, empty[i], total_computed,
+                request.request_id, num_tokens_need_slot, hits[i], total_computed,
                 total_computed, num_tokens_main_model, apply_admission_cap=cap,
                 prefill_end=prefill_end)
             if n:
@@ -222,33 +345,63 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
                        num_external_computed_tokens=0, delay_cache_blocks=False,
                        num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
                        has_scheduled_reqs=True, skip_zeroing_group_ids=()):
-        if num_new_computed_tokens or num_external_computed_tokens or num_encoder_tokens:
-            raise NotImplementedError("ulacache arena: prefix-cache hits, external KV and "
-                                      "encoder tokens are not supported")
-        total_computed = min(request.num_computed_tokens, self.max_model_len)
+        if num_external_computed_tokens or num_encoder_tokens:
+            raise NotImplementedError("ulacache arena: external KV and encoder tokens are not "
+                                      "supported")
+        hits = (new_computed_blocks.blocks if new_computed_blocks is not None
+                else self.empty_kv_cache_blocks.blocks)
+        # Free-but-cached pages this request hits: touched by vLLM below, so they are neither
+        # reclaimable nor new bytes (their ref count is raised while the demand is counted).
+        hit_free = [b for blks in hits for b in blks if not b.is_null and b.ref_cnt == 0]
+        keep = {b.block_id for b in hit_free}
+        page = self.arena.page_bytes
+        hit_bytes = sum(page[b.pool._kind] for b in hit_free)
+        st = self._state
+        reclaimable = st.cached_free_bytes() - hit_bytes
+        total_computed = min(request.num_computed_tokens + num_new_computed_tokens,
+                             self.max_model_len)
         prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
         if self.coordinator.retention_interval != 0:
             prefill_end = 0
         waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         watermark = self._watermark_bytes if has_scheduled_reqs and waiting else 0
-        page = self.arena.page_bytes
-        if full_sequence_must_fit or waiting:
-            # The admission gate in bytes: the request's whole (capped) sequence, every kind.
-            full = min(request.num_tokens, self.max_model_len)
-            need = self._group_counts(request, full, total_computed, full, prefill_end, True)
-            if sum(n * page[k] for k, n in need.items()) + watermark > self.arena.free_bytes:
-                return None
-        self.coordinator.remove_skipped_blocks(
-            request.request_id, max(0, total_computed - request.num_in_flight_tokens),
-            num_prompt_tokens=request.num_prompt_tokens)
-        main = total_computed + num_new_tokens
-        need_slot = min(main + num_lookahead_tokens, self.max_model_len)
-        demands = self._group_counts(request, need_slot, total_computed, main, prefill_end, False)
-        st = self._state
+        for b in hit_free:
+            b.ref_cnt += 1
+        try:
+            if full_sequence_must_fit or waiting:
+                # The admission gate in bytes: the request's whole (capped) sequence, every
+                # kind, against free bytes plus what evicting cold cached pages would free.
+                full = min(request.num_tokens, self.max_model_len)
+                need = self._group_counts(request, full, total_computed, full, prefill_end,
+                                          True, hits)
+                if any(n >= st.DEFER for n in need.values()):
+                    return None
+                if sum(n * page[k] for k, n in need.items()) + watermark > \
+                        self.arena.free_bytes + reclaimable:
+                    return None
+            self.coordinator.remove_skipped_blocks(
+                request.request_id, max(0, total_computed - request.num_in_flight_tokens),
+                num_prompt_tokens=request.num_prompt_tokens)
+            main = total_computed + num_new_tokens
+            need_slot = min(main + num_lookahead_tokens, self.max_model_len)
+            demands = self._group_counts(request, need_slot, total_computed, main, prefill_end,
+                                         False, hits)
+        finally:
+            for b in hit_free:
+                b.ref_cnt -= 1
+        if any(n >= st.DEFER for n in demands.values()):
+            return None
         if demands:
-            if sum(n * page[k] for k, n in demands.items()) + watermark > self.arena.free_bytes:
+            need = sum(n * page[k] for k, n in demands.items()) + watermark
+            reclaimable = st.cached_free_bytes() - hit_bytes  # (window frees may add pages)
+            if need > self.arena.free_bytes + reclaimable:
                 return None
-            res = self.arena.allocate({self.arena.kinds[k].name: n for k, n in demands.items()})
+            if need > self.arena.free_bytes:
+                st.evict_for(need, keep)
+            want = {self.arena.kinds[k].name: n for k, n in demands.items()}
+            res = self.arena.allocate(want)
+            while not res.ok and st.evict_for(self.arena.free_bytes + 1, keep):
+                res = self.arena.allocate(want)  # free bytes too scattered: reclaim more
             if not res.ok:
                 return None
             st.record_moves(res.copy_plan)
@@ -256,16 +409,27 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
                 k = self.arena.kind_index(name)
                 st.staged[k] = vids.tolist()
                 st.new.extend(st.staged[k])
+        st.allocating = True
         try:
             return super().allocate_slots(
-                request, num_new_tokens, num_lookahead_tokens=num_lookahead_tokens,
+                request, num_new_tokens, num_new_computed_tokens=num_new_computed_tokens,
+                new_computed_blocks=new_computed_blocks,
+                num_lookahead_tokens=num_lookahead_tokens,
                 delay_cache_blocks=delay_cache_blocks, has_scheduled_reqs=has_scheduled_reqs)
         finally:
+            st.allocating = False
             left = st.staged_count()
             st.staged.clear()
             if left:
                 raise RuntimeError(f"ulacache arena: {left} staged pages were not taken "
                                    "(the allocation count diverged from vLLM's)")
+
+    def take_kv_cache_block_copies(self):
+        copies = super().take_kv_cache_block_copies()
+        if copies[0]:  # only partial-block hits (a Mamba block wider than the hash block)
+            raise RuntimeError("ulacache arena: copy-on-write of a partially hit block is not "
+                               "supported (the Mamba block must equal the attention block)")
+        return copies
 
     def take_new_block_ids(self) -> list[int]:
         super().take_new_block_ids()  # drained: the step plan zeroes every new page itself
@@ -304,7 +468,8 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             self.arena.register_use(changed, fence)
         self.arena.ledger.poll()
         st.dirty = False
-        plan = st.take_plan(changed, self.stats())
+        plan = st.take_plan(changed, {})
+        plan.stats = self.stats()
         plan.seq = seq
         return plan
 
@@ -328,6 +493,9 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             "arena_bytes_copied": s["bytes_copied"],
             "arena_shortfalls": s["shortfalls"],
             "arena_live_pages": a.num_pages - 1,
+            "arena_cached_free_pages": sum(len(p.lru) for p in self._state.pools),
+            "arena_cached_pages_moved": self._state.cache_stats["cached_pages_moved"],
+            "arena_cache_evictions": self._state.cache_stats["cache_evictions"],
             "arena_fences_opened": self.fences["opened"],
             "arena_fences_passed": self.fences["opened"] - len(
                 [f for f in a.ledger.open_fences() if f.label != "null page"]),
@@ -346,6 +514,9 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         across kinds: one arena numbers them all). vLLM maps lost blocks to requests only for
         one group, so its default is not used."""
         vids = set(vids)
+        # Lost bytes must never be hit again: their pages leave the prefix cache (free-but-
+        # cached ones go back to the arena, held ones are freed with their requests).
+        self.block_pool.evict_blocks(vids)
         failed = {r.request_id for r in requests
                   if any(vids.intersection(ids) for ids in self.get_block_ids(r.request_id))}
         if failed:

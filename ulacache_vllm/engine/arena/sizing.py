@@ -254,9 +254,12 @@ def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict],
         tensors = [KVCacheTensor(size=layout.buffer_bytes, layers=list(g.layer_names),
                                  layer_stride=g.layer_page_bytes, block_stride=layout.alignment,
                                  offset=0) for g in layout.groups]
+        # Stock's retention rule (which window / state pages get hashed): the CLI value.
+        retention = vllm_config.cache_config.prefix_cache_retention_interval
         configs.append(UlaKVCacheConfig(num_blocks=layout.num_granules,
                                         kv_cache_tensors=tensors, kv_cache_groups=groups,
-                                        layout=layout))
+                                        layout=layout,
+                                        prefix_cache_retention_interval=retention))
     return configs
 
 
@@ -264,13 +267,11 @@ ARENA_BLOCK_SIZE = 32  # tokens per attention page (CPU_ATTN takes multiples of 
 
 
 def prepare_engine_args(engine_args: Any) -> None:
-    """Before vLLM builds its configuration (which derives GDN's state mode and the chunked
-    prefill it needs from it): prefix caching stays off for hybrid models under the arena,
-    whose pages are not shared by hash yet."""
-    if engine_args.enable_prefix_caching:
-        logger.info("ulacache arena: prefix caching is turned off (hybrid models' arena pages "
-                    "are not shared by hash yet)")
-    engine_args.enable_prefix_caching = False
+    """Before vLLM builds its configuration: prefix caching is left to the user and vLLM's
+    defaults (on for hybrids on the CPU build, as stock), so GDN models run vLLM's "align"
+    state mode with it, as stock does; ``prepare`` pins the state checkpoints to the attention
+    page."""
+    return None
 
 
 def prepare(vllm_config: Any, settings: UlaSettings) -> None:
@@ -299,3 +300,8 @@ def prepare(vllm_config: Any, settings: UlaSettings) -> None:
     cc = vllm_config.cache_config
     if not getattr(cc, "user_specified_block_size", False):
         cc.block_size = ARENA_BLOCK_SIZE
+    if cc.enable_prefix_caching and getattr(cc, "mamba_cache_mode", "none") == "align":
+        # A state checkpoint per attention page (vLLM re-syncs this in the block-size
+        # alignment the arena skips): hits land on the same boundaries in every group, and no
+        # partial-block hit (whose copy-on-write the arena does not do) can arise.
+        cc.mamba_block_size = cc.block_size

@@ -234,6 +234,11 @@ class ArenaWorker(LineWorker):
         out["kinds_null_bytes"] = lay.null_page_bytes
         return out
 
+    def translate_ids(self, vids) -> list[int]:
+        """Granules of vids (vLLM's align-mode state copies address ``state[block_id]``)."""
+        v2g = self.v2g.tolist() if len(vids) > 8 else None
+        return [v2g[v] if v2g is not None else int(self.v2g[v]) for v in vids]
+
     def translate(self, block_table, num_reqs: int) -> None:
         """``block_table`` is one of vLLM's ``BlockTable``s: its host rows hold vids; its
         device tensor gets the granules (a separate tensor, also on the CPU build)."""
