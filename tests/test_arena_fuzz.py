@@ -1,7 +1,8 @@
 """The arena's scheduler side (vLLM's full, sliding-window and state managers over arena
 pages) and its worker under random admit / chunked prefill / decode / finish / preempt /
-abort sequences, with moves forced or only when needed and with failing copies, against a
-reference model (driver and invariants: `benchmarks/lab/arena_fuzz.py`;
+abort sequences, with moves forced or only when needed and with failing copies, with and
+without prefix caching (shared prefixes hit, free-but-cached pages live until evicted or the
+cache is reset), against a reference model (driver and invariants: `benchmarks/lab/arena_fuzz.py`;
 `benchmarks/fuzz_manager.py --arena` runs 10^5+ operations)."""
 from __future__ import annotations
 
@@ -29,3 +30,21 @@ def test_failing_copies_end_only_requests_holding_lost_pages():
     assert stats.lost_pages > 0 and stats.ended_by_faults > 0, stats
     # Everything else ran on: requests were still admitted, decoded and finished.
     assert stats.ops["decode"] > 1000 and stats.ops["finish"] > 0, stats
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefix_caching_hits_evictions_and_resets_under_pressure(seed):
+    """vLLM's prefix caching over the arena: admissions hit cached pages (held by another
+    request or free-but-cached), cached pages move with compactions and relayouts (bytes
+    checked), cold ones are evicted when the arena needs room, resets leave only the null
+    page; refcounts, holdings and hash -> bytes checked every step."""
+    stats = run(seed, num_steps=400, total_pages=48, force_moves=3, caching=True)
+    assert stats.ops["admit_hit"] > 0 and stats.hit_tokens > 0, stats
+    assert stats.cache_evictions > 0 and stats.cached_pages_moved > 0, stats
+    assert stats.resets > 0 and stats.preempted > 0, stats
+
+
+def test_prefix_caching_with_failing_copies_drops_lost_pages_from_the_cache():
+    stats = run(4, num_steps=300, total_pages=48, force_moves=3, fault_every=8, caching=True)
+    assert stats.lost_pages > 0 and stats.ended_by_faults > 0, stats
+    assert stats.ops["admit_hit"] > 0, stats

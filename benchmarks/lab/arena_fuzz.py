@@ -18,7 +18,16 @@ step:
 * the worker's copy of every page holds the value written into it, wherever the page now
   lives; new pages reach the forward zeroed.
 
-At the end everything is released: the arena holds only its null page and withholds nothing.
+With ``caching`` vLLM's prefix caching runs over the arena: prompts start with one of a few
+shared prefixes, admissions take prefix hits (vLLM's own lookup), the state kind runs Mamba's
+"align" mode, and now and then the cache is reset. Then also: a page is held by as many
+requests as its ref count says; every live page is held or free-but-cached (hashed, in its
+pool's LRU); a hash names the same bytes for as long as it is cached (a cached page keeps the
+value its first writer gave it, across moves, until it is evicted); cold cached pages are
+evicted when the arena needs room.
+
+At the end everything is released (and the cache reset): the arena holds only its null page
+and withholds nothing.
 `tests/test_arena_fuzz.py` runs a few hundred steps; `benchmarks/fuzz_manager.py --arena`
 runs 10^5 operations or more.
 """
@@ -46,9 +55,13 @@ class ArenaFuzzStats:
     bytes_copied: int = 0
     lost_pages: int = 0
     ended_by_faults: int = 0
+    hit_tokens: int = 0  # prompt tokens admissions took from the prefix cache
+    cache_evictions: int = 0
+    cached_pages_moved: int = 0
+    resets: int = 0
 
 
-def specs():
+def specs(caching: bool = False):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     full = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
@@ -56,17 +69,20 @@ def specs():
                             sliding_window=WINDOW)
     # A state page of 3 KiB next to 2 KiB attention pages: the alignment is 1 KiB.
     state = MambaSpec(block_size=MAX_LEN, shapes=((3, 256),), dtypes=(torch.float32,))
+    if caching:  # "align": a state checkpoint per page, as the engine runs it with caching
+        state = MambaSpec(block_size=BS, shapes=((3, 256),), dtypes=(torch.float32,),
+                          mamba_cache_mode="align")
     return {"sliding": ("l0", swa), "full": ("l1", full), "state": ("l2", state)}
 
 
-def manager(total_bytes: int, force_moves: int = 0):
+def manager(total_bytes: int, force_moves: int = 0, caching: bool = False):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     from ulacache_vllm.engine.arena.manager import ArenaKVCacheManager
     from ulacache_vllm.engine.arena.sizing import ArenaGroup, ArenaLayout
     from ulacache_vllm.engine.line import UlaKVCacheConfig
 
-    sp = specs()
+    sp = specs(caching)
     bands = {"sliding": "low", "full": "high", "state": "low"}
     per_req = {"sliding": WINDOW // BS + 2, "full": MAX_LEN // BS, "state": 1}
     groups = [ArenaGroup(k, bands[k], (name,), spec.page_size_bytes, spec.block_size, per_req[k])
@@ -81,7 +97,8 @@ def manager(total_bytes: int, force_moves: int = 0):
     cfg = UlaKVCacheConfig.of(cfg, layout)
     sched_bs = math.lcm(*(s.block_size for _, s in sp.values()))  # as vLLM computes it
     return ArenaKVCacheManager(cfg, max_model_len=MAX_LEN, scheduler_block_size=sched_bs,
-                               hash_block_size=BS, enable_caching=False, max_in_flight_tokens=BS)
+                               hash_block_size=BS, enable_caching=caching,
+                               max_in_flight_tokens=BS, log_stats=caching)
 
 
 def worker(mgr):
@@ -100,6 +117,7 @@ class Harness:
         self.content: dict[int, int] = {}  # vid -> the byte value its page was filled with
         self.next_fill = 1
         self.lost: set[int] = set()
+        self.by_hash: dict = {}  # block hash -> the value of the page cached under it
 
     def step(self, schedule):
         """One engine step. ``schedule()`` allocates this step's slots through the manager
@@ -115,8 +133,10 @@ class Harness:
         self.lost = self.worker.take_lost()
         for vid in self.lost:
             self.content.pop(vid, None)  # not checked, refilled below
+            self.by_hash = {k: v for k, v in self.by_hash.items() if k[1] != vid}
         for vid in self.mgr.arena.p2v(plan.zero[:, 0]).tolist():
             self.content.pop(vid, None)  # a new page (a recycled vid): zeroed, refilled below
+            self.by_hash = {k: v for k, v in self.by_hash.items() if k[1] != vid}
             assert bool((self.page(vid) == 0).all()), f"new page {vid} not zeroed"
         self.check_pages()
         for req, n in scheduled.items():
@@ -125,9 +145,22 @@ class Harness:
                 for vid in ids:
                     if vid and vid not in self.content:
                         self.fill(vid)
+        self.check_hashes()
         self.mgr.step_processed(plan)
         self.plan = plan
         return scheduled
+
+    def check_hashes(self) -> None:
+        """A hash names the same bytes for as long as it is cached."""
+        # (vLLM does not dedup: two pages may carry one hash, each its own bytes.)
+        cached = {(b.block_hash, v): v for v, b in self.mgr._state.live.items()
+                  if b.block_hash is not None}
+        self.by_hash = {k: val for k, val in self.by_hash.items() if k in cached}
+        for k, vid in cached.items():
+            if vid not in self.content:
+                continue  # lost by a failed copy: evicted by the scheduler's hook
+            want = self.by_hash.setdefault(k, self.content[vid])
+            assert self.content[vid] == want, f"hash of page {vid} names other bytes"
 
     def page(self, vid: int) -> torch.Tensor:
         off = int(self.worker.v2g[vid]) * self.mgr.layout.alignment
@@ -163,11 +196,11 @@ def check_tiling(arena) -> None:
     assert pos == arena.total_bytes
 
 
-def _check_holdings(mgr, live: dict, last: dict) -> None:
+def _check_holdings(mgr, live: dict, last: dict, caching: bool = False) -> None:
     """``last``: each request's tokens of the step just run (vLLM drops the window's old
     pages at a request's next allocation, so a prefill holds all of its chunk's pages)."""
     held = []
-    kinds = list(specs())
+    kinds = list(specs(caching))
     for req in live.values():
         ids = mgr.get_block_ids(req.request_id)
         for kind, blocks in zip(kinds, ids):
@@ -181,16 +214,32 @@ def _check_holdings(mgr, live: dict, last: dict) -> None:
                 most = -(-(WINDOW + last.get(req.request_id, 0)) // BS) + 1
                 assert len(real) <= most, (req.request_id, kind, blocks, most)
                 assert blocks[-1], (req.request_id, "the newest sliding page is null")
+            elif caching:  # align: the running state (+ last step's, freed next step)
+                assert 1 <= len(real) <= 3 and blocks[-1], (req.request_id, kind, blocks)
             else:
                 assert len(real) == 1, (req.request_id, kind, blocks)
-    assert len(held) == len(set(held)), "a page held twice"
     assert 0 not in held, "the null page handed out"
     live_vids = set(mgr.arena.live_pages()[0].tolist()) - {0}
-    assert live_vids == set(held), f"leaked pages {sorted(live_vids - set(held))[:8]}"
+    if not caching:
+        assert len(held) == len(set(held)), "a page held twice"
+        assert live_vids == set(held), f"leaked pages {sorted(live_vids - set(held))[:8]}"
+        return
+    st = mgr._state
+    holders: dict[int, int] = {}
+    for v in held:
+        holders[v] = holders.get(v, 0) + 1
+    lru = {v for p in st.pools for v in p.lru}
+    assert not lru & set(holders), "a held page in the free-but-cached LRU"
+    for v in lru:
+        assert st.live[v].ref_cnt == 0 and st.live[v].block_hash is not None, v
+    for v, n in holders.items():
+        assert st.live[v].ref_cnt == n, (v, st.live[v].ref_cnt, n)
+    assert live_vids == set(holders) | lru, f"leaked pages {sorted(live_vids - set(holders) - lru)[:8]}"
+    assert set(st.live) == live_vids, "a live block without its page (or the reverse)"
 
 
 def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
-        fault_every: int = 0) -> ArenaFuzzStats:
+        fault_every: int = 0, caching: bool = False) -> ArenaFuzzStats:
     """``num_steps`` engine steps of random operations; ``fault_every``: about one step in
     this many has a failing copy (0: none)."""
     from vllm.sampling_params import SamplingParams
@@ -200,7 +249,17 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
 
     rng = random.Random(seed)
     page = specs()["full"][1].page_size_bytes
-    mgr = manager(total_pages * page, force_moves)
+    mgr = manager(total_pages * page, force_moves, caching)
+    hasher = None
+    if caching:
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        init_none_hash(sha256)
+        hasher = get_request_block_hasher(BS, sha256)
+        prng = random.Random(seed + 1000)
+        prefixes = [[prng.randint(1, 999) for _ in range(prng.randint(2, 5) * BS)]
+                    for _ in range(3)]
     h = Harness(mgr)
     stats = ArenaFuzzStats()
     live: dict[str, Request] = {}  # running: holding pages (in arrival order)
@@ -233,7 +292,7 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
                 continue  # preempted for an older request this step
             left = prefill_left.get(req.request_id, 0)
             if left:
-                n = min(left, rng.choice((BS, 2 * BS, 100)))
+                n = min(left, rng.choice((BS, 2 * BS) if caching else (BS, 2 * BS, 100)))
             elif req.num_tokens >= MAX_LEN - 1:
                 end(req, "finish")
                 continue
@@ -251,17 +310,24 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
         for req in [r for r in done if r.request_id not in live]:
             del done[req]  # preempted after it was scheduled
         for req in list(waiting[:rng.randint(0, 2)]):
-            n = req.num_tokens if rng.random() < 0.5 else min(req.num_tokens,
-                                                              rng.choice((BS, 100)))
-            if mgr.allocate_slots(req, n) is None:
+            hit_blocks, hit = None, 0
+            if caching:
+                hit_blocks, hit, _ = mgr.get_computed_blocks(req)
+            todo = req.num_tokens - hit
+            n = todo if rng.random() < 0.5 else min(
+                todo, rng.choice((BS, 2 * BS) if caching else (BS, 100)))
+            if mgr.allocate_slots(req, n, num_new_computed_tokens=hit,
+                                  new_computed_blocks=hit_blocks) is None:
                 stats.refused += 1
                 break  # first come, first served: the head waits
             req.status = RequestStatus.RUNNING
+            req.num_computed_tokens = hit
+            stats.hit_tokens += hit
             waiting.remove(req)
             live[req.request_id] = req
-            prefill_left[req.request_id] = req.num_tokens - n
+            prefill_left[req.request_id] = todo - n
             done[req] = n
-            bump("admit")
+            bump("admit_hit" if hit else "admit")
         return done
 
     for _ in range(num_steps):
@@ -277,22 +343,45 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
         if waiting and rng.random() < 0.03:
             waiting.pop(rng.randrange(len(waiting)))
             bump("abort_waiting")
+        if caching and rng.random() < 0.02:
+            if rng.random() < 0.5:  # drain first (as vLLM's reset with running requests)
+                for req in list(live.values()):
+                    preempt(req)
+            # vLLM resets only when no page is held; else it refuses and changes nothing.
+            ok = mgr.reset_prefix_cache()
+            assert ok == (not live), (ok, len(live))
+            if ok:  # nothing cached, nothing live but the null page
+                assert mgr.arena.num_pages == 1 and not mgr._state.live, mgr.arena.num_pages
+            stats.resets += ok
+            bump("reset")
         while len(waiting) < 3:
             counter += 1
             n = rng.randint(1, MAX_LEN // 2)
-            waiting.append(Request(f"r{counter}", [rng.randint(1, 999) for _ in range(n)],
-                                   SamplingParams(max_tokens=1 << 20), None))
+            tokens = [rng.randint(1, 999) for _ in range(n)]
+            if caching and rng.random() < 0.7:  # a shared prefix (or a whole resend)
+                tokens = (rng.choice(prefixes) + tokens)[:MAX_LEN - 2]
+            waiting.append(Request(f"r{counter}", tokens, SamplingParams(max_tokens=1 << 20),
+                                   None, block_hasher=hasher))
         last = {r.request_id: n for r, n in h.step(schedule).items()}
         if h.lost:  # the scheduler ends the requests holding lost pages with an error
             stats.lost_pages += len(h.lost)
             for rid in mgr.lost_block_owners(h.lost, live.values()):
                 end(live[rid], "ended_by_fault")
                 stats.ended_by_faults += 1
+            st = mgr._state
+            assert not any(v in st.live and st.live[v].block_hash is not None
+                           for v in h.lost), "a lost page is still in the prefix cache"
         stats.steps += 1
-        _check_holdings(mgr, live, last)
+        _check_holdings(mgr, live, last, caching)
         check_tiling(mgr.arena)
     for req in list(live.values()):
         end(req, "finish")
+    s = mgr.stats()
+    stats.cache_evictions = s["arena_cache_evictions"]
+    stats.cached_pages_moved = s["arena_cached_pages_moved"]
+    if caching:
+        _check_holdings(mgr, live, {}, caching)
+        assert mgr.reset_prefix_cache(), "the cache did not reset with no page held"
     h.step(dict)  # an empty step: the last frees' fences pass
     assert mgr.arena.used_bytes == mgr.arena.page_bytes[0], "pages left after every free"
     assert mgr.arena.pending_bytes == 0, "bytes still withheld"
