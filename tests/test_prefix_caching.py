@@ -9,7 +9,6 @@ import pytest
 
 from _vllm_subprocess import mla_path_kwargs, run_side_by_side, run_vllm_script
 
-pytestmark = pytest.mark.engine  # every test here boots vLLM
 
 # ~2.7k device + ~1.3k host slots per layer (fp32 tiny model): a wave of the workload below
 # holds ~4.5k tokens of prompts at once, so cached prefixes age to the host and are evicted.
@@ -80,6 +79,7 @@ def runs(tiny_model):
     return ula, ref
 
 
+@pytest.mark.engine
 def test_prefix_cached_output_equals_stock_under_pressure(runs):
     ula, ref = runs
     for w, (a, b) in enumerate(zip(ula["waves"], ref["waves"])):
@@ -97,6 +97,7 @@ def test_prefix_cached_output_equals_stock_under_pressure(runs):
     assert c["vllm:ulacache_prefix_hit_entries_host"] == t["prefix_hit_entries_host"], (c, t)
 
 
+@pytest.mark.engine
 def test_reset_prefix_cache_frees_every_cached_row(runs):
     ula, _ = runs
     assert ula["reset"] is True
@@ -108,3 +109,33 @@ def test_reset_prefix_cache_frees_every_cached_row(runs):
     kept = ula["after_reset_prompt_len"] // 16 * 16
     assert u["device_used"] + u["host_used"] == groups * kept, (u, kept)
 
+
+
+OFFLOAD = r"""
+import ulacache_vllm.patches.apply as patches
+patches.apply_all()
+from vllm.engine.arg_utils import EngineArgs
+from vllm.usage.usage_lib import UsageContext
+out = {}
+for backend in ("vllm", "ulacache"):
+    ea = EngineArgs(model=ARGS["model"], max_model_len=1024, enforce_eager=True,
+                    kv_backend=backend, kv_offloading_size=0.5)
+    try:
+        c = ea.create_engine_config(UsageContext.LLM_CLASS)
+        out[backend] = "ok: " + str(c.kv_transfer_config.kv_connector)
+    except Exception as e:
+        out[backend] = f"{type(e).__name__}: {e}"
+emit(out)
+"""
+
+
+def test_kv_offloading_size_is_refused_naming_the_host_pool(tiny_model):
+    # Resolved at config time, no engine boot: stock takes the flag (vLLM's offloading
+    # connector), ulacache refuses it before vLLM swaps its connector out.
+    res = run_vllm_script(OFFLOAD, args={"model": str(tiny_model("deepseek_v32"))},
+                          timeout=300, boots_engine=False)
+    assert res["vllm"] == "ok: OffloadingConnector", res
+    msg = res["ulacache"]
+    assert msg.startswith("KVBackendError: --kv-backend ulacache cannot be combined with "
+                          "--kv-offloading-size 0.5"), msg
+    assert "host tier" in msg and "--ula-host-pool-gib instead" in msg, msg

@@ -326,6 +326,19 @@ def check_model_supported(model_config: Any) -> None:
     )
 
 
+def refuse_kv_offloading(engine_args: Any) -> None:
+    """`--kv-offloading-size` (vLLM's OffloadingConnector, a host prefix tier) next to
+    `--kv-backend ulacache`: vLLM would swap ulacache's connector for its own, and ulacache's
+    host pool already is the host tier (cached prefixes included)."""
+    size = getattr(engine_args, "kv_offloading_size", None)
+    if size is not None:
+        raise KVBackendError(
+            f"--kv-backend ulacache cannot be combined with --kv-offloading-size {size} "
+            f"(vLLM's OffloadingConnector): ulacache brings its own KV connector, and its host "
+            f"pool already is the host tier of the KV cache, cached prefixes included. Drop "
+            f"--kv-offloading-size and size the host tier with --ula-host-pool-gib instead.")
+
+
 def refuse_context_parallel(pc: Any, who: str, why: str) -> None:
     """Context parallelism (decode or prefill) is refused by ``who``; ``why`` ends the message."""
     for what in ("decode_context_parallel_size", "prefill_context_parallel_size"):

@@ -7,7 +7,7 @@ from vllm.logger import init_logger
 
 from ulacache_vllm.core.policies import POLICIES
 
-from .config import KVBackendError, UlaSettings
+from .config import KVBackendError, UlaSettings, refuse_kv_offloading
 
 logger = init_logger("vllm.ulacache")
 
@@ -29,6 +29,7 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
         raise KVBackendError("--ula-host-pool-gib must be >= 0")
     if settings.trace_path:
         check_trace_path(settings.trace_path)
+    refuse_kv_offloading(engine_args)
     ktc = engine_args.kv_transfer_config
     if ktc is not None and getattr(ktc, "kv_connector", None) not in (None, CONNECTOR_NAME):
         raise KVBackendError(
