@@ -58,11 +58,19 @@ def test_presets_print_a_table(name, capsys):
     out = capsys.readouterr().out
     assert out.count("| scheme |") == 2 and out.count("Assumptions:") == 2
     assert "KV budget per GPU" in out and "weights per GPU" in out
+    # Every printed multiple says what it counts: one note per table, one on the comparison
+    # line (DSA models).
+    dsa = bool(MODEL_PRESETS[name].config.get("index_topk"))
+    assert out.count("requests that fit, not throughput") >= 2 + dsa
     if MODEL_PRESETS[name].config.get("index_topk"):
-        for label in ("stock vLLM", "HiSparse, host copy per rank", "vLLM 0.32 HiSparse",
-                      "ulacache DP", "ulacache TP shard"):
+        for label in ("stock vLLM, TP-8 engines", "HiSparse, TP-8 engines, host copy per rank",
+                      "vLLM 0.32 HiSparse, TP-8 engines, one host pool per node",
+                      "ulacache TP-8 engines, ranks replicate", "ulacache TP-8 engines, shard",
+                      "stock vLLM, DP engines (TP 1)", "HiSparse, DP engines (TP 1)",
+                      "ulacache, DP engines (TP 1)"):
             assert f"| {label}" in out
-        assert "Gain over stock vLLM" in out
+        assert "ulacache against vLLM 0.32, cluster-wide: requests that fit" in out
+        assert "vs best vLLM" in out and "vs HiSparse with one host pool per node" in out
     else:  # hybrids: stock HMA vs the arena, the DSA rows marked as not applying
         assert "| stock vLLM, HMA page geometry |" in out
         assert "| ulacache arena (natural page sizes) |" in out and "not a DSA model" in out
@@ -75,8 +83,14 @@ def test_json_output(capsys):
     assert main(["deepseek-v3.2", "--json", "--request-tokens", "64K"]) == 0
     (p,) = json.loads(capsys.readouterr().out)
     assert p["request_tokens"] == 65536 and p["cluster"] == "8xH200"
-    assert {r["key"] for r in p["rows"]} == {"stock", "hisparse_per_rank", "hisparse_shared",
-                                             "ulacache_dp", "ulacache_shard"}
+    assert {r["key"] for r in p["rows"]} == {
+        "stock", "hisparse_per_rank", "hisparse_shared", "ulacache_replicate", "ulacache_shard",
+        "stock_dp", "hisparse_dp", "ulacache_dp"}
+    assert p["anchor_key"] in {"stock", "hisparse_per_rank", "hisparse_shared", "stock_dp",
+                               "hisparse_dp"} and p["base_key"] == "stock"
+    dp = {r["key"]: r for r in p["rows"]}["ulacache_dp"]
+    assert (dp["tp"], dp["dp"]) == (1, 8)
+    assert dp["requests_per_cluster"] == 8 * dp["requests_per_engine"]
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
@@ -84,7 +98,7 @@ def test_json_output(capsys):
 def test_ulacache_rows_are_the_engines_plan_layout(dsa_plans, cluster, mode, monkeypatch):
     """Same inputs, same code path: the row is what engine.sizing.plan_layout returns."""
     p = dsa_plans["deepseek-v3.2", cluster]
-    row = p.row("ulacache_shard" if mode == "shard" else "ulacache_dp")
+    row = p.row("ulacache_shard" if mode == "shard" else "ulacache_replicate")
     cfg = vllm_config(p.model, p.cluster, L128K)
     cfg.additional_config = {}
     specs = dsa_specs(p.model, p.kv_dtype, p.block_size)
@@ -116,13 +130,102 @@ def test_stock_is_the_budget_over_all_kv_bytes_per_token(dsa_plans):
 def test_shard_beats_replicate_and_stock_and_its_gain_dominates(dsa_plans, name, cluster):
     p = dsa_plans[name, cluster]
     stock, rep, shard = (p.row(k).cluster_requests
-                         for k in ("stock", "ulacache_dp", "ulacache_shard"))
+                         for k in ("stock", "ulacache_replicate", "ulacache_shard"))
     assert shard >= rep >= stock and shard > stock
     # TP sharding's gain (shard over replicate) is larger than the host tier's (replicate
     # over stock): the replicated indexer keys and rows, not the host pool, are what cost.
     assert shard / rep > rep / stock
     for key in ("hisparse_per_rank", "hisparse_shared"):
         assert shard > p.row(key).cluster_requests
+
+
+def _hisparse_shared_by_hand(p) -> int:
+    """vLLM 0.32 HiSparse, one host pool per node (TP 8 on one node), DeepSeek-V3.2 fp8_ds_mla,
+    128K requests, worked out from its layout rules rather than its functions:
+    - device blocks hold the indexer keys of 64 tokens x 61 layers (132 B each, 515,328 B),
+      rounded up to a multiple of a hot-buffer page (64 rows x 656 B = 41,984 B): 545,792 B;
+      MLA layers go into resident and hot groups of at most 12 layers (12 x 41,984 B fits the
+      indexer page, 13 does not): 6 groups each;
+    - a request admits 2048 indexer blocks + per group max_num_batched_tokens / 64 resident
+      blocks + 2 x index_topk / 64 = 64 hot blocks; once it reads from the host it keeps
+      2 resident tail pages per group; concurrency = 1 + (blocks - admission) / steady;
+    - the host pool is 8 ranks x the host memory per GPU, in blocks of 61 x 64 x 656 B
+      rounded up to 4 KiB (the shared region's alignment), less the null block, 2048 a
+      request. Requests = the smaller bound, rounded down."""
+    cl = p.cluster
+    block = -(-(61 * 64 * 132) // (64 * 656)) * (64 * 656)
+    assert block == 545_792
+    blocks = p.kv_budget // block - 1
+    per_req, groups = L128K // 64, -(-61 // 12)
+    admission = per_req + groups * (cl.max_num_batched_tokens // 64) + groups * 64
+    steady = per_req + groups * 2 + groups * 64
+    device = 1 + (blocks - admission) / steady
+    host_block = -(-(61 * 64 * 656) // 4096) * 4096
+    host = (8 * int(cl.host_gib_per_gpu * (1 << 30)) // host_block - 1) / per_req
+    return int(min(device, host))
+
+
+@pytest.mark.parametrize("cluster,expected", [("8xH200", 30), ("8xB300", 122)])
+def test_hisparse_shared_pool_anchor_by_hand(dsa_plans, cluster, expected):
+    """The anchor a TP-8 user would pick, vLLM 0.32's HiSparse with one host pool per node,
+    equals the count worked out by hand from its layout rules; ulacache TP shard's multiple
+    over it is what the comparison line prints (requests that fit, not throughput)."""
+    p = dsa_plans["deepseek-v3.2", cluster]
+    row = p.row("hisparse_shared")
+    assert row.error is None
+    assert row.cluster_requests == row.requests == _hisparse_shared_by_hand(p) == expected
+    ratio, extra = p.gain("ulacache_shard", "hisparse_shared")
+    assert extra == p.row("ulacache_shard").cluster_requests - expected > 0
+    from ulacache_vllm.planner.report import comparison
+
+    assert f"{ratio:.1f}x ({extra:+,}) vs HiSparse with one host pool per node" in \
+        comparison([p])
+
+
+def test_dp_mode_is_dp_engines_not_a_replicated_tp_engine(dsa_plans):
+    """DP mode is GPUs-many engines of TP 1, each with the dense weights whole, its own KV
+    budget and host pool, and requests per cluster = per engine x engines; it is not the TP-8
+    engine with replicating ranks (one engine's requests for the whole cluster)."""
+    p = dsa_plans["deepseek-v3.2", "8xH200"]
+    m, GIB = p.model, 1 << 30
+    # By hand: FP8 weights, dense whole on the GPU, routed experts over the 8 GPUs.
+    budget = int(140 * GIB * 0.9 - (m.dense_params + m.expert_params / 8) - 10 * GIB)
+    d = p.dp_engines
+    assert (d.cluster.tp, d.cluster.dp) == (1, 8) and d.kv_budget == budget < p.kv_budget
+    # Stock on a DP engine: budget / (MLA row + indexer key, 61 layers), 64-token blocks.
+    stock = p.row("stock_dp")
+    blocks = budget // (64 * 61 * (656 + 132)) - 1
+    assert (stock.tp, stock.dp) == (1, 8)
+    assert stock.requests == blocks // (L128K // 64)
+    assert stock.cluster_requests == 8 * stock.requests > p.row("stock").cluster_requests
+    # ulacache DP: plan_layout at TP 1 on the DP engine's budget, times 8 engines.
+    dp, rep = p.row("ulacache_dp"), p.row("ulacache_replicate")
+    cfg = vllm_config(m, d.cluster, L128K)
+    cfg.additional_config = {}
+    lay = sizing.plan_layout(cfg, dsa_specs(m, p.kv_dtype, p.block_size), budget,
+                             UlaSettings(host_pool_gib=dp.host_pool_gib))
+    assert dp.tokens == lay.num_logical and lay.shards == 1
+    assert dp.cluster_requests == 8 * dp.requests == 8 * (lay.num_logical // L128K)
+    assert (rep.tp, rep.dp) == (8, 1) and rep.cluster_requests == rep.requests
+    assert dp.cluster_requests > rep.cluster_requests
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_multiples_are_against_the_strongest_vllm_row(dsa_plans, cluster):
+    """The "vs best vLLM" column divides by the vLLM row (stock or HiSparse, TP or DP engines)
+    holding the most requests: HiSparse on DP engines on both presets, above the shared-pool
+    HiSparse of a TP-8 engine; ulacache's best still holds more."""
+    p = dsa_plans["deepseek-v3.2", cluster]
+    vllm = {k: p.row(k).cluster_requests for k in
+            ("stock", "hisparse_per_rank", "hisparse_shared", "stock_dp", "hisparse_dp")}
+    assert p.anchor_key == max(vllm, key=lambda k: (vllm[k], k == "hisparse_dp"))
+    assert p.anchor_key == "hisparse_dp" and vllm["hisparse_dp"] > vllm["hisparse_shared"]
+    best_ula = max(p.row(k).cluster_requests for k in ("ulacache_shard", "ulacache_dp"))
+    assert best_ula > vllm[p.anchor_key]
+    from ulacache_vllm.planner.report import table
+
+    ratio, extra = p.gain("ulacache_shard", p.anchor_key)
+    assert f"| {ratio:.1f}x ({extra:+,}) |" in table(p)
 
 
 def test_b300_gains_more_requests_than_h200(dsa_plans):

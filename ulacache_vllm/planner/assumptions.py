@@ -48,6 +48,9 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
         out.append("stock: vLLM's get_kv_cache_groups / get_kv_cache_config_from_groups / "
                    "get_max_concurrency_for_kv_cache_config; MLA specs have max_tp_shards=1, "
                    "so every TP rank holds every token's MLA row and indexer key")
+        out.append("best vLLM: the stock or HiSparse row (TP or DP engines) that holds the "
+                   "most requests cluster-wide, the configuration a user would otherwise "
+                   "pick; every multiple is requests that fit, not throughput")
         out.append(
             f"HiSparse: vLLM 0.32's HiSparse layout and steady-state concurrency "
             f"(device: indexer keys of every token + a hot buffer of 2 x index_topk rows "
@@ -63,8 +66,22 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
             f"every logical token (of its share in shard mode) + device MLA rows + 1 B/token "
             f"placeholders per layer; host pool per rank; exclusive residency (logical = "
             f"device + host rows); shard mode: token t on rank t mod {cl.tp}, minus a "
-            f"remote-row buffer (default: max_num_seqs x index_topk rows, at most 1/16 of "
-            f"the device rows)")
+            f"remote-row buffer (default: max_num_seqs x index_topk rows, at most 1/32 of "
+            f"the rows the KV budget would hold at one row per token: "
+            f"engine.dsa.sizing.plan_layout's cap)")
+        d = p.dp_engines
+        if isinstance(d, str):
+            out.append(f"DP engines (TP 1 x DP {cl.gpus}): do not fit: {d}")
+        elif d is not None and d is not p:
+            out.append(
+                f"DP engines: the same {cl.gpus} GPUs as {cl.gpus} engines of TP 1 (vLLM "
+                f"--data-parallel-size {cl.gpus}), each with its own scheduler, KV budget and "
+                f"host pool, nothing replicated across ranks; dense weights whole on every GPU "
+                f"({d.weights_per_gpu / GIB:.1f} GiB per GPU with the routed experts "
+                + ("over all GPUs" if experts_over == "gpus" else "unsplit")
+                + f"), KV budget {d.kv_budget / GIB:.1f} GiB per GPU; requests per cluster = "
+                  f"per engine x {cl.gpus}. HiSparse shares no host pool at TP 1; ulacache's "
+                  f"DP row is plan_layout at TP 1")
         out.append(f"scheduler: max_num_batched_tokens {cl.max_num_batched_tokens} "
                    f"({'vLLM default' if cl.batch_tokens_defaulted else 'given'}), "
                    f"max_num_seqs {cl.max_num_seqs}, chunked prefill "

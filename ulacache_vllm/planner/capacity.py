@@ -118,6 +118,8 @@ class Row:
     error: str | None = None
     layout: Any = None  # the engine's UlaLayout for ulacache rows
     host_pool_gib: float | None = None  # ulacache rows: the --ula-host-pool-gib used
+    tp: int | None = None  # the engines this row deploys: TP ranks each, DP of them
+    dp: int | None = None
 
 
 @dataclass
@@ -132,20 +134,43 @@ class Plan:
     rows: list[Row] = field(default_factory=list)
     assumptions: list[str] = field(default_factory=list)
     ula_host_pool_gib: float | None = None  # given; else the largest that starts
+    dp_engines: Plan | None = None  # DSA: the same GPUs as DP engines of TP 1 (its budget)
 
     def row(self, key: str) -> Row:
         return next(r for r in self.rows if r.key == key)
 
     @property
     def base_key(self) -> str:
-        return "stock" if self.model.kind == "dsa" else "hma_stock"
+        """Stock vLLM without a host tier on the cluster's own engines (DP engines at TP 1)."""
+        if self.model.kind != "dsa":
+            return "hma_stock"
+        return "stock" if self.row("stock").error is None else "stock_dp"
+
+    @property
+    def anchor_key(self) -> str:
+        """The strongest vLLM configuration a user would otherwise pick: the vLLM row (stock
+        or HiSparse, on TP or DP engines) holding the most requests cluster-wide; ties go to
+        the later row (HiSparse over stock, DP engines last)."""
+        best = None
+        for r in self.rows:
+            if r.key in VLLM_KEYS and r.cluster_requests is not None and (
+                    best is None or r.cluster_requests >= best.cluster_requests):
+                best = r
+        return best.key if best is not None else self.base_key
 
     def gain(self, key: str, base: str | None = None) -> tuple[float | None, int | None]:
-        """(ratio, extra requests) of row ``key`` over ``base`` (stock), cluster-wide."""
+        """(ratio, extra requests) of row ``key`` over ``base`` (default: stock), cluster-wide:
+        requests that fit, not throughput."""
         a, b = self.row(key).cluster_requests, self.row(base or self.base_key).cluster_requests
         if a is None or b is None:
             return None, None
         return (a / b if b else math.inf), a - b
+
+
+# Rows of vLLM 0.32 configurations (the anchors), and of ulacache, in table order.
+VLLM_KEYS = ("stock", "hisparse_per_rank", "hisparse_shared", "stock_dp", "hisparse_dp",
+             "hma_stock")
+ULA_KEYS = ("ulacache_replicate", "ulacache_shard", "ulacache_dp", "arena")
 
 
 # ---------------------------------------------------------------- the VllmConfig stand-in
@@ -223,10 +248,12 @@ def stock_row(plan: Plan, specs: dict, key: str, label: str, mamba_cache_mode="n
     conc = _vllm_concurrency(cfg, kv_cfg)
     n = int(conc)
     return Row(key, label, tokens=int(conc * plan.request_tokens), requests=n,
-               cluster_requests=n * plan.cluster.dp, device_bytes=plan.kv_budget)
+               cluster_requests=n * plan.cluster.dp, device_bytes=plan.kv_budget,
+               tp=plan.cluster.tp, dp=plan.cluster.dp)
 
 
-def hisparse_row(plan: Plan, specs: dict, shared: bool) -> Row:
+def hisparse_row(plan: Plan, specs: dict, shared: bool, key: str | None = None,
+                 label: str | None = None) -> Row:
     from vllm.v1.hisparse.layout import (
         get_hisparse_kv_cache_config,
         get_hisparse_kv_cache_groups,
@@ -236,9 +263,9 @@ def hisparse_row(plan: Plan, specs: dict, shared: bool) -> Row:
 
     cl = plan.cluster
     ranks = hisparse_shared_ranks(cl) if shared else 1
-    key = "hisparse_shared" if shared else "hisparse_per_rank"
-    label = ("vLLM 0.32 HiSparse, one host pool per node" if shared
-             else "HiSparse, host copy per rank")
+    key = key or ("hisparse_shared" if shared else "hisparse_per_rank")
+    label = label or (f"vLLM 0.32 HiSparse, TP-{cl.tp} engines, one host pool per node"
+                      if shared else f"HiSparse, TP-{cl.tp} engines, host copy per rank")
     if shared and ranks == 1:
         why = "TP=1" if cl.tp == 1 else f"TP={cl.tp} spans nodes of {cl.gpus_per_node} GPUs"
         return Row(key, label, error=f"no shared pool ({why}): same as a host copy per rank")
@@ -259,13 +286,14 @@ def hisparse_row(plan: Plan, specs: dict, shared: bool) -> Row:
     n = int(conc)
     return Row(key, label, tokens=int(conc * plan.request_tokens), requests=n,
                cluster_requests=n * cl.dp, device_bytes=plan.kv_budget,
-               host_bytes=host_blocks * stride // ranks,
+               host_bytes=host_blocks * stride // ranks, tp=cl.tp, dp=cl.dp,
                note=(f"host pool {host_blocks * stride / GIB:.0f} GiB shared by {ranks} ranks"
-                     if shared else "each rank pins its own copy of every MLA row"))
+                     if shared else "each rank pins its own copy of every MLA row"
+                     if cl.tp > 1 else "each engine's own pinned host copy of its MLA rows"))
 
 
-def ulacache_row(plan: Plan, specs: dict, tp_mode: str, host_pool_gib: float | None = None
-                 ) -> Row:
+def ulacache_row(plan: Plan, specs: dict, tp_mode: str, host_pool_gib: float | None = None,
+                 key: str | None = None, label: str | None = None) -> Row:
     """The engine's layout for this budget. The host pool is ``host_pool_gib`` when given
     (the engine's behaviour as is, a defaulted step budget lowered if it must be), else the
     largest pool up to the host memory per GPU with which the engine starts with the
@@ -276,8 +304,9 @@ def ulacache_row(plan: Plan, specs: dict, tp_mode: str, host_pool_gib: float | N
     from ulacache_vllm.engine.config import KVBackendError, UlaSettings
 
     cl = plan.cluster
-    key = "ulacache_shard" if tp_mode == "shard" else "ulacache_dp"
-    label = "ulacache TP shard" if tp_mode == "shard" else "ulacache DP (TP ranks replicate)"
+    key = key or ("ulacache_shard" if tp_mode == "shard" else "ulacache_replicate")
+    label = label or (f"ulacache TP-{cl.tp} engines, shard" if tp_mode == "shard"
+                      else f"ulacache TP-{cl.tp} engines, ranks replicate")
     if tp_mode == "shard" and cl.tp == 1:
         return Row(key, label, error="TP=1: nothing to shard (same as ulacache DP)")
     cfg = vllm_config(plan.model, cl, plan.request_tokens)
@@ -315,7 +344,7 @@ def ulacache_row(plan: Plan, specs: dict, tp_mode: str, host_pool_gib: float | N
                  f"{lay.batch_tokens_lowered[1]}")
     return Row(key, label, tokens=lay.num_logical, requests=n, cluster_requests=n * cl.dp,
                device_bytes=plan.kv_budget, host_bytes=lay.host_slots * M, note=note,
-               layout=lay, host_pool_gib=gib)
+               layout=lay, host_pool_gib=gib, tp=cl.tp, dp=cl.dp)
 
 
 def _largest_starting_pool(plan: Plan, tp_mode: str, layout, mla_specs: dict):
@@ -361,10 +390,43 @@ def arena_row(plan: Plan) -> Row:
                       for g in lay.groups)
     exact = sum(g.page_bytes * g.pages_per_max_request for g in lay.groups)
     return Row(key, label, tokens=n * L, requests=n, cluster_requests=n * cl.dp,
-               device_bytes=plan.kv_budget, layout=lay,
+               device_bytes=plan.kv_budget, layout=lay, tp=cl.tp, dp=cl.dp,
                note=(f"{lay.request_bytes() / 2**20:.1f} MiB per request per rank; pages "
                      f"{pages}; {lay.alignment} B alignment "
                      f"(+{lay.request_bytes() / exact - 1:.1%} on the exact pages)"))
+
+
+# ---------------------------------------------------------------- DP engines
+
+def dp_plan(p: Plan, experts_over: str) -> Plan | str:
+    """The same GPUs as DP engines of TP 1 (vLLM's --data-parallel-size GPUs, experts split
+    over them when ``experts_over='gpus'``): each GPU holds the dense weights whole, its own KV
+    budget, scheduler and host pool. The plan's own cluster when it is already TP 1; an error
+    text when the weights leave such an engine no KV memory."""
+    cl = p.cluster
+    if cl.tp == 1:
+        return p
+    dcl = dataclasses.replace(cl, tp=1, dp=cl.gpus, name=f"{cl.name} as DP {cl.gpus} x TP 1")
+    try:
+        budget, w = kv_budget(p.model, dcl, experts_over)
+    except PlannerError as e:
+        return str(e)
+    return Plan(p.model, dcl, p.request_tokens, p.kv_dtype, p.block_size, w, budget,
+                ula_host_pool_gib=p.ula_host_pool_gib)
+
+
+def dp_rows(p: Plan, specs: dict) -> list[Row]:
+    """stock, HiSparse and ulacache on DP engines of TP 1: nothing replicated across ranks,
+    every engine's host pool its own. Requests per cluster = per engine x GPUs."""
+    d = p.dp_engines
+    labels = (("stock_dp", "stock vLLM, DP engines (TP 1)"),
+              ("hisparse_dp", "HiSparse, DP engines (TP 1), host pool per engine"),
+              ("ulacache_dp", "ulacache, DP engines (TP 1)"))
+    if isinstance(d, str):
+        return [Row(k, lab, error=f"DP engines of TP 1 do not fit: {d}") for k, lab in labels]
+    return [stock_row(d, specs, *labels[0]),
+            hisparse_row(d, specs, shared=False, key=labels[1][0], label=labels[1][1]),
+            ulacache_row(d, specs, "replicate", p.ula_host_pool_gib, *labels[2])]
 
 
 # ---------------------------------------------------------------- the plan
@@ -389,11 +451,25 @@ def plan(model: ModelShape, cluster: Cluster, request_tokens: int, *,
              ula_host_pool_gib=ula_host_pool_gib)
     if model.kind == "dsa":
         specs = dsa_specs(model, kvd, bs)
-        p.rows.append(stock_row(p, specs, "stock", "stock vLLM (KV replicated per TP rank)"))
-        p.rows.append(hisparse_row(p, specs, shared=False))
+        tp = cluster.tp
+        if tp > 1:
+            p.rows.append(stock_row(p, specs, "stock",
+                                    f"stock vLLM, TP-{tp} engines (KV replicated per rank)"))
+            p.rows.append(hisparse_row(p, specs, shared=False))
+        else:
+            why = "TP=1: the cluster's engines are the DP engines below"
+            p.rows.append(Row("stock", "stock vLLM, TP engines", error=why))
+            p.rows.append(Row("hisparse_per_rank", "HiSparse, TP engines, host copy per rank",
+                              error=why))
         p.rows.append(hisparse_row(p, specs, shared=True))
-        p.rows.append(ulacache_row(p, specs, "replicate", ula_host_pool_gib))
+        if tp > 1:
+            p.rows.append(ulacache_row(p, specs, "replicate", ula_host_pool_gib))
+        else:
+            p.rows.append(Row("ulacache_replicate", "ulacache TP engines, ranks replicate",
+                              error="TP=1: the cluster's engines are the DP engines below"))
         p.rows.append(ulacache_row(p, specs, "shard", ula_host_pool_gib))
+        p.dp_engines = dp_plan(p, experts_over)
+        p.rows.extend(dp_rows(p, specs))
     else:
         specs, bs = hybrid_specs(model, kvd, cluster.tp, block_size=bs)
         p.block_size = bs
@@ -407,7 +483,7 @@ def plan(model: ModelShape, cluster: Cluster, request_tokens: int, *,
             p.rows.append(Row(key, label, error=why))
         why = ("not a DSA model: the host tier and TP sharding serve sparse-MLA (DSA) models; "
                "ulacache serves hybrids through the arena row above")
-        for key, label in (("ulacache_dp", "ulacache DP (TP ranks replicate)"),
+        for key, label in (("ulacache_dp", "ulacache DSA host tier (DP engines / replicate)"),
                            ("ulacache_shard", "ulacache TP shard")):
             p.rows.append(Row(key, label, error=why))
     p.assumptions = assumptions(p, experts_over)
