@@ -6,6 +6,7 @@ from . import (
     cli_args,
     cpu_mla_path,
     cpu_sparse_attention,
+    cuda_sparse_backend,
     engine_args,
     engine_config,
     engine_startup_error,
@@ -18,7 +19,7 @@ from . import (
 
 ALL = (engine_args, cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu,
        cpu_sparse_attention, cpu_mla_path, kv_cache_sizing, hybrid_block_size,
-       block_table_translate, mamba_align_translate)
+       block_table_translate, mamba_align_translate, cuda_sparse_backend)
 
 
 def apply_all() -> None:

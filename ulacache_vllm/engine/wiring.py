@@ -74,14 +74,14 @@ def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        # The logical->physical translation is wired into the CPU sparse-MLA backend only;
-        # vLLM's CUDA sparse backends would read the pools through their own block-table
-        # conversion and return wrong rows, so refuse instead of serving corrupted output.
-        raise KVBackendError(
-            "--kv-backend ulacache currently runs on vLLM's CPU build only: its translation "
-            "hook (SparseMLAIndexGroup.convert_logical_to_physical_topk) is not wired into the "
-            "CUDA sparse-MLA backends yet. Use --kv-backend vllm on this machine."
-        )
+        # Stock CUDA sparse backends would read the pools through their own block-table
+        # conversion: refused, unless the experimental DSA glue is opted into (dsa/cuda).
+        from .config import is_arena_model
+        from .dsa.cuda import CUDA_REFUSAL, check_cuda_config, experimental_cuda_enabled
+
+        if not experimental_cuda_enabled() or is_arena_model(vllm_config.model_config.hf_config):
+            raise KVBackendError(CUDA_REFUSAL)
+        check_cuda_config(vllm_config)
     line_sizing(vllm_config.model_config).prepare(vllm_config, settings)
     keep_cpu_core_reservation(vllm_config)
     set_error_file()

@@ -67,6 +67,10 @@ class UlaLayout(LineLayout):
         return UlaKVCacheManager
 
     def build_worker(self, vllm_config, settings, kv_caches: dict):
+        if next(iter(kv_caches.values())).device.type == "cuda":  # experimental opt-in only
+            from .cuda.worker import CudaDsaWorker
+
+            return CudaDsaWorker.build(self, vllm_config, settings, kv_caches)
         from .worker import DsaWorker
 
         return DsaWorker.build(self, vllm_config, settings, kv_caches)

@@ -1,0 +1,218 @@
+"""The CUDA glue's rows and step contract (`CudaRows`), device-agnostic (the tests run it on CPU).
+
+Layout (cuda-notes section 2): one uint8 buffer per device ``[staging S | layer 0 pool P |
+layer 1 pool P | ...]`` of byte rows (bf16: 1152 B, fp8_ds_mla: 656 B). Layer ``l`` sees
+``buf[:S + (l+1) P]`` in vLLM's ``[blocks, block_size, head]`` shape (`kv_view`), so staging
+rows are shared and device slot ``s`` of layer ``l`` is row ``S + l P + s`` (``dev_base(l)``).
+S and P are multiples of the block size (64 on CUDA: the fp8 kernel's pages).
+
+Host pools: one per layer, ``uint8 [H, row_bytes]``, allocated at exactly that size and pinned
+by ``pin`` (on CUDA ``cudaHostRegister`` of exactly those bytes; torch's caching host allocator
+behind ``pin_memory=True`` rounds to a power of two); kernels read them through their device view
+(`kernels.host_view`, UVA), so every copy from or to the host is a stream-ordered GPU op and no
+CPU op reads a pinned buffer before a DMA into it has landed.
+
+Inside the forward (`resolve_stage`, per sparse layer; fixed shapes, no host reads): the logical
+slots stock's converter produced -> rows of ``[staging | pool]`` through the group's committed
+table (`kernels.resolve_impl(...).resolve`), then the missed rows' bytes from the host pool into
+staging (`stage`). Each layer logs its misses in its own `MissLog`.
+
+Outside the forward (`begin_step`, from the connector's pre-forward hook, before any graph
+replay): frees; settle (each group's first layer's logged misses promoted through
+`TieredMapping.ensure_resident` + `apply`, copies as GPU ops); round; writes (``assign`` of the
+step's new logical slots, then `write_translate` into the ulacache-owned static slot-mapping
+buffer of every MLA layer, same address at capture and replay: the fused write kernel writes
+exactly the bytes stock would, at translated rows). Padding writes go to staging row ``S - 1``
+(scratch: a layer stages after its own write, so a staged row is always re-filled before read).
+
+Not done here: PB-LRU label touches from the forward (``labels=None``: hits are not refreshed,
+victims may be rows read this step; correctness is unaffected), TP shard mode, MTP draft layers.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ulacache_vllm import kernels as K
+from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
+from ulacache_vllm.core.pools import CapacityError
+from ulacache_vllm.kernels.resolve_reference import MissLog, ResolveState
+
+
+# The worker's rows while a ulacache engine runs in this process on CUDA (read by the
+# slot-mapping hook in patches/cuda_sparse_backend.py; set by `worker.CudaDsaWorker.build`).
+ACTIVE: dict = {"rows": None}
+
+
+def pin_exact(t: torch.Tensor) -> torch.Tensor:
+    """Pins ``t``'s bytes exactly (``cudaHostRegister``), as HiSparse's ``pin_tensor`` does."""
+    nbytes = t.untyped_storage().nbytes()
+    rt = torch.cuda.cudart()
+    err = rt.cudaHostRegister(t.data_ptr(), nbytes, 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
+    return t
+
+
+class CudaRows:
+    """Rows and step contract of the CUDA glue (module doc). ``groups``: layer names per layer
+    group in model order (each group shares one `TieredMapping`); ``pin``: how host pools are
+    pinned (default: `pin_exact` when ``device`` is CUDA, nothing on CPU)."""
+
+    def __init__(self, groups: list[list[str]], *, row_bytes: int, head_size: int,
+                 kv_dtype: torch.dtype, block_size: int, device_slots: int, host_slots: int,
+                 staging_rows: int, num_logical: int, max_tokens: int, device,
+                 lru: str = "pblru", pin: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        dev = torch.device(device)
+        for what, n in (("staging rows", staging_rows), ("device slots", device_slots)):
+            if n <= 0 or n % block_size:
+                raise ValueError(f"{what} ({n}) must be a positive multiple of the block size "
+                                 f"({block_size})")
+        self.device, self.block_size, self.row_bytes = dev, block_size, row_bytes
+        self.head_size, self.kv_dtype = head_size, kv_dtype
+        self.S, self.P, self.H = staging_rows, device_slots, host_slots
+        self.layers = [n for g in groups for n in g]
+        self.index = {n: i for i, n in enumerate(self.layers)}
+        L = len(self.layers)
+        self.buf = torch.zeros(self.S + L * self.P, row_bytes, dtype=torch.uint8, device=dev)
+        if pin is None and dev.type == "cuda":
+            pin = pin_exact
+        self.host: dict[str, torch.Tensor] = {}
+        self.host_dev: dict[str, torch.Tensor] = {}  # device views (UVA) of the host pools
+        for n in self.layers:
+            h = torch.zeros(host_slots, row_bytes, dtype=torch.uint8)  # exact size, then pinned
+            self.host[n] = pin(h) if pin is not None else h
+            self.host_dev[n] = K.host_view(self.host[n], dev)
+        self.mappings = [TieredMapping(num_logical, device_slots, host_slots, device=dev, lru=lru)
+                         for _ in groups]
+        self.group_of = {n: gi for gi, g in enumerate(groups) for n in g}
+        self.groups = groups
+        self.state = ResolveState(num_logical, staging_rows, dev)
+        self.logs = {n: MissLog(staging_rows, dev) for n in self.layers}
+        self.identity = torch.zeros(1, dtype=torch.int32, device=dev)  # device flag (graphs)
+        # The static slot-mapping buffers (int64, what vLLM's write kernels take) and the
+        # logical slot mapping each was registered with this step.
+        self.write_rows = {n: torch.full((max_tokens,), self.S - 1, dtype=torch.int64, device=dev)
+                           for n in self.layers}
+        self.logical_writes: dict[str, torch.Tensor] = {}
+        self.counters = {"promotions": 0, "demotions": 0, "staged": 0, "overflow": 0,
+                         "unmapped": 0, "steps": 0}
+        self.write_errors = torch.zeros(1, dtype=torch.int64, device=dev)
+
+    # ------------------------------------------------------------------ views
+    def dev_base(self, layer: str) -> int:
+        return self.S + self.index[layer] * self.P
+
+    def kv_view(self, layer: str) -> torch.Tensor:
+        """The layer's KV cache as vLLM shapes it: ``[blocks, block_size, head]`` over
+        ``[staging | pools up to this layer's]`` (uint8 rows for fp8_ds_mla)."""
+        rows = self.buf[: self.dev_base(layer) + self.P]
+        t = rows if self.kv_dtype == torch.uint8 else rows.view(self.kv_dtype)
+        return t.view(-1, self.block_size, t.shape[-1])
+
+    def pool(self, layer: str) -> torch.Tensor:
+        b = self.dev_base(layer)
+        return self.buf[b: b + self.P]
+
+    # ------------------------------------------------------- inside the forward
+    def resolve_stage(self, layer: str, logical: torch.Tensor,
+                      num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logical slots ``[T, K]`` (-1 padded) -> int32 rows of ``kv_view(layer)``; host rows
+        staged. Fixed-shape device work only."""
+        impl = K.resolve_impl(logical)
+        log = self.logs[layer]
+        table = self.mappings[self.group_of[layer]].visible
+        rows = impl.resolve(logical, table, None, None, num_tokens, self.identity, self.state,
+                            dev_base=self.dev_base(layer), log=log)
+        impl.stage(self.host_dev[layer], self.buf, log)
+        return rows
+
+    # ------------------------------------------------------- outside the forward
+    def register_writes(self, layer: str, logical_slots: torch.Tensor) -> torch.Tensor:
+        """The slot mapping the layer's fused write kernel gets: a view of the layer's static
+        buffer (same address every step) that `begin_step` fills with translated rows."""
+        n = logical_slots.numel()
+        buf = self.write_rows[layer]
+        if n > buf.numel():
+            raise ValueError(f"{n} write slots, the static buffer holds {buf.numel()} "
+                             "(max_num_batched_tokens)")
+        self.logical_writes[layer] = logical_slots
+        return buf[:n].view(logical_slots.shape)
+
+    def begin_step(self, freed_addrs: torch.Tensor | None = None) -> None:
+        """Frees, settle, round, writes (module doc); every copy a device op, in stream order."""
+        self.counters["steps"] += 1
+        for gi, names in enumerate(self.groups):
+            m = self.mappings[gi]
+            if freed_addrs is not None and freed_addrs.numel():
+                m.free(freed_addrs.to(self.device))
+            addr, _, overflow, unmapped = self.logs[names[0]].take()
+            self.counters["overflow"] += overflow
+            self.counters["unmapped"] += unmapped
+            self.counters["staged"] += int(addr.numel())
+            addr = addr[m.loc.index_select(0, addr.clamp(min=0)) >= 0] if addr.numel() else addr
+            n = int(addr.numel())
+            while n:  # more misses than the pool takes in one round: promote a prefix
+                try:
+                    _, plan = m.ensure_resident(addr[:n])
+                except CapacityError:
+                    n //= 2
+                    continue
+                self._apply(gi, plan)
+                break
+            m.advance_round()
+            sm = self.logical_writes.get(names[0])
+            if sm is not None:
+                slots, plan = m.assign(sm.reshape(-1).long())
+                self._apply(gi, plan)
+            for n in names:
+                sm = self.logical_writes.get(n)
+                if sm is None:
+                    continue
+                out = self.write_rows[n][: sm.numel()]
+                K.resolve_impl(out).write_translate(
+                    sm.reshape(-1), m.visible, self.identity, dev_base=self.dev_base(n),
+                    trash_row=self.S - 1, errors=self.write_errors, out=out)
+
+    def _apply(self, gi: int, plan) -> None:
+        if plan.empty:
+            return
+        names = self.groups[gi]
+        scratch: dict[str, torch.Tensor] = {}
+
+        def tier_rows(name, tier, need):
+            if tier == DEVICE:
+                return self.pool(name)
+            if tier == HOST:
+                return self.host_dev[name]
+            if name not in scratch or scratch[name].shape[0] < need:
+                scratch[name] = torch.empty(max(need, 1), self.row_bytes, dtype=torch.uint8,
+                                            device=self.device)
+            return scratch[name]
+
+        def copy(src_tier, src, dst_tier, dst):
+            need = int(src.numel()) if STAGING in (src_tier, dst_tier) else 0
+            for name in names:
+                s, d = tier_rows(name, src_tier, need), tier_rows(name, dst_tier, need)
+                # One gather and one scatter on the device (host rows through their UVA view).
+                d.index_copy_(0, dst.to(self.device), s.index_select(0, src.to(self.device)))
+
+        self.mappings[gi].apply(plan, copy)
+        self.counters["promotions"] += int(plan.promote_src_host.numel())
+        self.counters["demotions"] += int(plan.demote_src_device.numel())
+
+    def seed(self, group: int, logical_slots: torch.Tensor,
+             rows: dict[str, torch.Tensor]) -> None:
+        """Places byte rows of new logical slots of a group as a step's writes would (assign,
+        then each layer's bytes at its translated rows); outside the forward (tests, tools)."""
+        m = self.mappings[group]
+        slots = logical_slots.reshape(-1).long().to(self.device)
+        m.advance_round()  # one step per call
+        _, plan = m.assign(slots)
+        self._apply(group, plan)
+        for name in self.groups[group]:
+            out = K.resolve_impl(slots).write_translate(
+                slots, m.visible, self.identity, dev_base=self.dev_base(name),
+                trash_row=self.S - 1)
+            self.buf.index_copy_(0, out, rows[name].to(self.device))
