@@ -33,8 +33,7 @@ SCRIPT = r"""
 from vllm import LLM, SamplingParams
 kw = dict(ARGS["kw"])
 # Pinned on every host: the step budget, and prefix caching off on both sides (stock hybrids
-# may default to it, whose mamba "align" mode changes the schedule). The ulacache runs ask for
-# it instead (``_run``): the arena must turn it off, and the same schedule follows.
+# may default to it, whose mamba "align" mode changes the schedule).
 llm = LLM(model=ARGS["model"], dtype=ARGS["dtype"], enforce_eager=True, max_model_len=1024,
           max_num_batched_tokens=1024, seed=0, disable_log_stats=False,
           **{"enable_prefix_caching": False, **kw})
@@ -90,11 +89,9 @@ res["usage_end"] = usage()
 
 def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=None,
          raise_phase=False):
+    # Prefix caching pinned off on both sides (SCRIPT): the same schedule; the arena's prefix
+    # caching is tested in tests/test_arena_prefix_caching.py.
     kw = {"kv_backend": backend, **kw}
-    if backend == "ulacache":
-        # Asked for; the arena turns it off (its pages are not shared by hash yet):
-        # ``_check_prefix_caching_off``.
-        kw["enable_prefix_caching"] = True
     return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend,
                                          "dtype": dtype, "base": base, "out": out,
                                          "raise_phase": raise_phase}, timeout=900, env=env)
@@ -107,8 +104,8 @@ IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def _check_prefix_caching_off(ula: dict) -> None:
-    """The ulacache run asked for prefix caching (``_run``); the running engine had it off: its
-    config says so, and its scheduler looked up no prompt token in a prefix cache."""
+    """Prefix caching pinned off (``SCRIPT``): the running engine had it off, its config says
+    so, and its scheduler looked up no prompt token in a prefix cache."""
     assert ula["prefix_caching"] is False, ula["prefix_caching"]
     assert ula["metrics"]["vllm:prefix_cache_queries"] == 0, ula["metrics"]
 

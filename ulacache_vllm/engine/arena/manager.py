@@ -17,6 +17,25 @@ rewrites no block table: the worker translates vids to granules before every for
   it; it passes when the scheduler has processed that step's output. Withheld bytes make the
   scheduler wait (``has_pending_block_frees``) instead of preempting.
 - vid 0 is the null page: the null block of every manager, pinned, never freed.
+
+Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
+- One persistent ``KVCacheBlock`` per live vid; hashed pages are shared read-only by every
+  request that hits them. A hashed page whose last holder frees it stays live, *free but
+  cached*, in its pool's LRU: it keeps its vid and bytes (never zeroed: only new vids are),
+  counts as free in usage and as reclaimable in the byte admission gate; a hit takes it back.
+- Eviction is the arena's reclaim, and the only way a cached page's bytes go back: when a
+  step's new pages need more than the free bytes, the coldest free-but-cached pages (every
+  pool, LRU order; never the pages this request hits) are evicted until the free bytes
+  suffice, *before* the ladder's compaction/relayout runs, and again if the ladder still
+  finds the free bytes too scattered. ``evict_blocks`` (lost pages included) and
+  ``reset_prefix_cache`` release them too.
+- Placement stays invisible to vLLM: compaction and relayout move cached pages, held or not,
+  like any unfenced page (the copy in the step plan, the vid and its hashes unchanged);
+  fences keep pages a step in flight uses from moving or being reused.
+- GDN/mamba state runs vLLM's "align" mode (state checkpoints at page boundaries, the
+  checkpoint page is the state's natural size); ``sizing.prepare`` pins the state block to
+  the attention page, so no hit ends inside a block (no copy-on-write), and the worker
+  translates align-mode state copies (``patches/mamba_align_translate``).
 """
 from __future__ import annotations
 
@@ -270,8 +289,9 @@ class ArenaBlockPool(BlockPool):
         st = self._state
         held = len(st.live) - sum(len(p.lru) for p in st.pools)
         if held:
-            logger.warning("Failed to reset prefix cache because some pages (%d) are not "
-                           "freed yet", held)
+            if self._kind is None or self is st.pools[0]:  # (once per reset, not per pool)
+                logger.warning("Failed to reset prefix cache because some pages (%d) are not "
+                               "freed yet", held)
             return False
         if self._kind is None:
             pools = st.pools
@@ -400,7 +420,8 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
                 st.evict_for(need, keep)
             want = {self.arena.kinds[k].name: n for k, n in demands.items()}
             res = self.arena.allocate(want)
-            while not res.ok and st.evict_for(self.arena.free_bytes + 1, keep):
+            while not res.ok and st.evict_for(
+                    self.arena.free_bytes + max(res.shortfall_bytes, st.min_page), keep):
                 res = self.arena.allocate(want)  # free bytes too scattered: reclaim more
             if not res.ok:
                 return None

@@ -178,6 +178,10 @@ def plan_arena(vllm_config, specs: dict, available_bytes: int,
         if base == "sliding":
             per_req = spec.max_admission_blocks_per_request(
                 vllm_config.max_in_flight_tokens, max_model_len)
+        elif base == "state":
+            # Pages held at once ("align" mode: the running state, the previous one until
+            # it is freed, checkpoints; its block-table row is longer, mostly null).
+            per_req = -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
         out.append(ArenaGroup(kind, band, tuple(names), spec.page_size_bytes, spec.block_size,
                               int(per_req)))
     pages = [g.layer_page_bytes for g in out] + [g.page_bytes for g in out]
@@ -274,6 +278,32 @@ def prepare_engine_args(engine_args: Any) -> None:
     return None
 
 
+# Speculative methods the arena runs: n-gram (no draft KV; GDN state pages widen to 1+k per
+# request, each page's conv part to ``kernel-1+k`` rows, as vLLM's specs say) and the
+# target's own MTP layer (Qwen3-Next: one more full-attention layer, grouped by spec equality
+# like any layer, with k lookahead slots). Every speculative page is an arena page of its
+# group's kind: placed, moved and fenced with the target's; rollback is vLLM's (counters and
+# GDN state-slot choice), nothing is freed.
+ARENA_SPEC_METHODS = ("ngram", "mtp")
+
+
+def refuse_speculative(vllm_config: Any) -> None:
+    """Speculative methods the arena does not run yet are refused, naming the combination
+    and the fix."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or spec.method in ARENA_SPEC_METHODS:
+        return
+    arch = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    raise KVBackendError(
+        f"--kv-backend ulacache's arena (hybrid models) does not run speculative decoding "
+        f"with method {spec.method!r} on {arch or 'this model'} yet: a separate draft "
+        f"model's KV layers are not placed in the arena (it runs 'ngram', and 'mtp' for "
+        f"models with their own MTP layer such as Qwen3-Next). Use "
+        f"--speculative-config '{{\"method\": \"ngram\", \"num_speculative_tokens\": "
+        f"{spec.num_speculative_tokens}}}' with the arena, or --kv-backend vllm for "
+        f"{spec.method!r} drafts.")
+
+
 def prepare(vllm_config: Any, settings: UlaSettings) -> None:
     """Hybrid models: what the arena does not support yet is refused here, naming the fix;
     the attention page defaults to 32 tokens instead of the CPU build's 128."""
@@ -287,9 +317,7 @@ def prepare(vllm_config: Any, settings: UlaSettings) -> None:
             f"parallelism yet (pipeline_parallel_size {pc.pipeline_parallel_size}); tensor "
             f"parallelism is supported.{fix}")
     refuse_context_parallel(pc, "--kv-backend ulacache's arena (hybrid models)", f" yet.{fix}")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise KVBackendError("--kv-backend ulacache's arena (hybrid models) does not support "
-                             f"speculative decoding yet.{fix}")
+    refuse_speculative(vllm_config)
     sc = vllm_config.scheduler_config
     if sc.async_scheduling:
         # A step's pages are fenced until its output is processed; with one batch in flight
