@@ -41,15 +41,17 @@ def select_backend(orig, cls, selected_backend, attn_selector_config, num_heads=
     return orig(cls, selected_backend, attn_selector_config, num_heads)
 
 
-def translate_slot_mappings(by_layer: dict) -> dict:
-    """``by_layer`` with the active rows' MLA layers on their static buffers (module doc)."""
+def translate_slot_mappings(by_layer: dict, register: bool = True) -> dict:
+    """``by_layer`` with the active rows' MLA layers on their static buffers (module doc);
+    ``register=False`` (graph capture's dummy batches): the buffers without their slots."""
     rows = ACTIVE["rows"]
     if rows is None:
         return by_layer
     out = dict(by_layer)
     for name in rows.layers:
         if name in out:
-            out[name] = rows.register_writes(name, out[name])
+            out[name] = (rows.register_writes(name, out[name]) if register
+                         else rows.static_view(name, out[name]))
     return out
 
 
@@ -92,8 +94,12 @@ def install_slot_mappings() -> None:
     def build_slot_mappings_by_layer(slot_mappings, kv_cache_config):
         return translate_slot_mappings(orig_build(slot_mappings, kv_cache_config))
 
+    def build_for_capture(slot_mappings, kv_cache_config):
+        return translate_slot_mappings(orig_build(slot_mappings, kv_cache_config), False)
+
     for mod in SLOT_MAPPING_MODULES:
-        replace(mod, "build_slot_mappings_by_layer", build_slot_mappings_by_layer, HOOK)
+        fn = build_for_capture if mod.endswith("cudagraph_utils") else build_slot_mappings_by_layer
+        replace(mod, "build_slot_mappings_by_layer", fn, HOOK)
 
 
 def apply() -> None:

@@ -527,8 +527,94 @@ def test_patch_hooks_backend_choice_and_slot_mappings(monkeypatch):
         out = build(sm.unsqueeze(0), kvc)
         assert out["mla0"].data_ptr() == rows.write_rows["mla0"].data_ptr()
         assert torch.equal(out["indexer0"], sm)  # the indexer keeps logical slots
-        assert rows.logical_writes["mla0"] is sm.unsqueeze(0)[0] or torch.equal(
-            rows.logical_writes["mla0"], sm)
+        assert torch.equal(rows.logical_writes["mla0"], sm)
+        # Graph capture's dummy batches get the static buffer but register nothing.
+        rows.logical_writes.clear()
+        cap = importlib.import_module("vllm.v1.worker.gpu.cudagraph_utils") \
+            .build_slot_mappings_by_layer
+        out = cap(sm.unsqueeze(0), kvc)
+        assert out["mla0"].data_ptr() == rows.write_rows["mla0"].data_ptr()
+        assert rows.logical_writes == {}
     finally:
         for mod, (owner, cur) in saved:
             setattr(owner, "build_slot_mappings_by_layer", cur)
+
+
+# -------------------------------------------------------------------- worker
+def _layout(**over):
+    from ulacache_vllm.engine.dsa.sizing import UlaLayout
+
+    kw = dict(block_size=B, device_slots=2 * B, host_slots=6 * B, num_logical=8 * B,
+              num_blocks=8, mla_layers=["l0", "l1", "l2"], leaders=["l0", "l2"],
+              mla_row_bytes={"l0": 2 * D, "l1": 2 * D, "l2": 2 * D}, mla_head_size=D,
+              mla_dtype="bfloat16", indexer_bytes_per_token=132)
+    kw.update(over)
+    return UlaLayout(**kw)
+
+
+def _engine(layout, impl_cls=UlaFlashMLASparseImpl):
+    ctx = {n: types.SimpleNamespace(impl=_impl(impl_cls, "auto", None), kv_cache=None)
+           for n in layout.mla_layers}
+    cfg = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(static_forward_context=ctx),
+        model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(index_topk=K)),
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=32))
+    kv = {n: torch.zeros(4, B, D, dtype=torch.bfloat16) for n in layout.mla_layers}
+    return cfg, ctx, kv
+
+
+def test_worker_installs_rows_registers_impls_and_runs_the_step(monkeypatch):
+    from ulacache_vllm.engine.config import UlaSettings
+    from ulacache_vllm.engine.dsa.cuda import runtime as rt
+    from ulacache_vllm.engine.dsa.cuda.worker import CudaDsaWorker, layer_groups
+
+    monkeypatch.setitem(rt.ACTIVE, "rows", None)
+    lay = _layout()
+    assert layer_groups(lay) == [["l0", "l1"], ["l2"]]
+    cfg, ctx, kv = _engine(lay)
+    w = CudaDsaWorker.build(lay, cfg, UlaSettings(), kv)
+    rows = w.rows
+    assert rt.ACTIVE["rows"] is rows
+    assert len(rows.mappings) == 2
+    # Staging: min(tokens x top-k, host rows), in whole blocks.
+    assert rows.S == min(32 * K, 6 * B) and rows.S % B == 0
+    for n in lay.mla_layers:
+        assert ctx[n].impl.ula_rows is rows and ctx[n].impl.layer_name == n
+        assert ctx[n].kv_cache.data_ptr() == rows.buf.data_ptr()
+        assert ctx[n].kv_cache.shape == rows.kv_view(n).shape
+    # A step: writes registered by the slot-mapping hook, then begin_step assigns them.
+    sm = torch.arange(3 * B, 3 * B + 5)
+    view = rows.register_writes("l0", sm)
+    rows.register_writes("l1", sm)
+    w.begin_step(types.SimpleNamespace(freed=[], hits=[]), None)
+    assert rows.mappings[0].device_used == 5 and bool((view >= rows.dev_base("l0")).all())
+    w.begin_step(types.SimpleNamespace(freed=[3], hits=[]), None)  # block 3 freed
+    assert rows.mappings[0].device_used == 0
+    u = w.usage()
+    assert u["experimental_cuda"] is True and u["totals"]["steps"] == 2
+
+
+def test_worker_refuses_stock_impls_and_tp_shard_mode():
+    from ulacache_vllm.engine.config import UlaSettings
+    from ulacache_vllm.engine.dsa.cuda.worker import CudaDsaWorker
+
+    lay = _layout()
+    cfg, _, kv = _engine(lay, FlashMLASparseImpl)
+    with pytest.raises(RuntimeError, match="ULACACHE_EXPERIMENTAL_CUDA=1"):
+        CudaDsaWorker.build(lay, cfg, UlaSettings(), kv)
+    shard = _layout(tp_mode="shard", tp_world=2)
+    cfg, _, kv = _engine(shard)
+    with pytest.raises(RuntimeError, match="TP shard mode"):
+        CudaDsaWorker.build(shard, cfg, UlaSettings(), kv)
+
+
+def test_layout_builds_the_cuda_worker_for_cuda_caches(monkeypatch):
+    from ulacache_vllm.engine.dsa.cuda import worker as cw
+
+    seen = []
+    monkeypatch.setattr(cw.CudaDsaWorker, "build",
+                        classmethod(lambda cls, *a: seen.append(a) or "cuda-worker"))
+    lay = _layout()
+    cuda_cache = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
+    assert lay.build_worker("cfg", "settings", {"l0": cuda_cache}) == "cuda-worker"
+    assert seen and seen[0][0] is lay

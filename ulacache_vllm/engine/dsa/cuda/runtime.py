@@ -140,6 +140,11 @@ class CudaRows:
         self.logical_writes[layer] = logical_slots
         return buf[:n].view(logical_slots.shape)
 
+    def static_view(self, layer: str, logical_slots: torch.Tensor) -> torch.Tensor:
+        """The static buffer as `register_writes` returns it, without registering the slots
+        (graph capture's dummy batches: their slots must not be assigned)."""
+        return self.write_rows[layer][: logical_slots.numel()].view(logical_slots.shape)
+
     def begin_step(self, freed_addrs: torch.Tensor | None = None) -> None:
         """Frees, settle, round, writes (module doc); every copy a device op, in stream order."""
         self.counters["steps"] += 1
@@ -174,6 +179,8 @@ class CudaRows:
                 K.resolve_impl(out).write_translate(
                     sm.reshape(-1), m.visible, self.identity, dev_base=self.dev_base(n),
                     trash_row=self.S - 1, errors=self.write_errors, out=out)
+        # Registered again by the next step's slot mappings (the runner builds them per step).
+        self.logical_writes.clear()
 
     def _apply(self, gi: int, plan) -> None:
         if plan.empty:
