@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import mla_path_kwargs, run_side_by_side, run_vllm_script
+from _vllm_subprocess import REPO_ROOT, mla_path_kwargs, run_side_by_side, run_vllm_script
+
+BENCH_DIR = REPO_ROOT / "benchmarks"
 
 
 # ~2.7k device + ~1.3k host slots per layer (fp32 tiny model): a wave of the workload below
@@ -17,6 +19,10 @@ ULA_HOST_GIB = 0.0055
 REF_KV_BYTES = 512 << 20
 
 SCRIPT = r"""
+import sys
+sys.path.insert(0, ARGS["bench_dir"])
+from prefix_cache import export_preempted_stats
+export_preempted_stats()  # vLLM's lookups of resumed requests, exported (observation only)
 from vllm import LLM, SamplingParams
 llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
           max_num_seqs=8, seed=0, disable_log_stats=False, **ARGS["kw"])
@@ -50,6 +56,21 @@ for wave in range(3):
 res["counters"] = counters()
 if ARGS["backend"] == "ulacache":
     res["usage"] = llm.collective_rpc("ulacache_usage")[0]
+# Preemption under pressure: eight fresh prompts whose decodes outgrow ulacache's pools (device
+# + host), so vLLM preempts; a resumed request looks its own cached blocks up again.
+def snap():
+    keep = ("vllm:num_preemptions", "vllm:prefix_cache_hits",
+            "vllm:ulacache_prefix_hit_entries", "vllm:ulacache_prefix_hit_entries_host")
+    return {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+            if m.name in keep or m.name.startswith("vllm:prefix_cache_preempted_")}
+s0 = snap()
+# (each opens with its own word pair: no block of theirs was ever cached)
+fresh = [f"{words[i]} {words[i + 5]} " + text(60 + i, 80) for i in range(8)]
+outs = llm.generate(fresh, greedy(320))
+s1 = snap()
+res["preempt_wave"] = [o.outputs[0].token_ids for o in outs]
+res["preempt"] = {k: (s1[k] or 0) - (s0.get(k) or 0) for k in s1}
+if ARGS["backend"] == "ulacache":
     res["reset"] = llm.reset_prefix_cache()
     # One request after the reset (its step carries the frees to the worker); it caches its
     # own full blocks again, and nothing else may hold a row.
@@ -67,7 +88,8 @@ def _run(model, backend, env):
         kw.update(kv_cache_memory_bytes=ULA_KV_BYTES, ula_host_pool_gib=ULA_HOST_GIB)
     else:
         kw.update(kv_cache_memory_bytes=REF_KV_BYTES)
-    return run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw, "backend": backend},
+    args = {"model": str(model), "kw": kw, "backend": backend, "bench_dir": str(BENCH_DIR)}
+    return run_vllm_script(SCRIPT, args=args,
                            timeout=900, env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0", **env})
 
 
@@ -95,6 +117,28 @@ def test_prefix_cached_output_equals_stock_under_pressure(runs):
     t = ula["usage"]["totals"]
     assert t["prefix_hit_entries"] > t["prefix_hit_entries_host"] > 0, t
     assert c["vllm:ulacache_prefix_hit_entries_host"] == t["prefix_hit_entries_host"], (c, t)
+    # vLLM's hit metrics keep working under ulacache: the same queries as stock, and the hit
+    # tokens on /metrics are the requests' own num_cached_tokens, on both sides.
+    assert c["vllm:prefix_cache_queries"] == ref["counters"]["vllm:prefix_cache_queries"]
+    for side in (ula, ref):
+        hits = side["counters"]["vllm:prefix_cache_hits"]
+        assert hits == sum(map(sum, side["cached_tokens"])), (hits, side["cached_tokens"])
+
+
+@pytest.mark.engine
+def test_preempted_requests_resume_through_their_cached_blocks(runs):
+    ula, ref = runs
+    assert ula["preempt_wave"] == ref["preempt_wave"]
+    p = ula["preempt"]
+    # vLLM preempted under pressure (stock, with room to spare, did not) ...
+    assert p["vllm:num_preemptions"] > 0, p
+    assert ref["preempt"]["vllm:num_preemptions"] == 0, ref["preempt"]
+    # ... the prompts are fresh (no first-admission hits), and the resumed requests' lookups
+    # hit their own cached blocks, which the worker took over with their rows in either tier.
+    assert p["vllm:prefix_cache_hits"] == 0, p
+    assert p["vllm:prefix_cache_preempted_requests"] > 0, p
+    assert 0 < p["vllm:prefix_cache_preempted_hits"] < p["vllm:prefix_cache_preempted_queries"], p
+    assert p["vllm:ulacache_prefix_hit_entries"] > 0, p
 
 
 @pytest.mark.engine
