@@ -79,7 +79,13 @@ def main() -> None:
             print(f"{what:<34}{ref * 1e3:>14.3f}{new * 1e3:>10.3f}{ref / new:>8.2f}x")
     name = "arena_apply_quick" if args.quick else "arena_apply"
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # _host, beside this script
+    from _host import cpu_host
+
+    (RESULTS / f"{name}.json").write_text(json.dumps(
+        {"host": cpu_host(), "threads": 1, "reps": reps, "rows": rows}, indent=1))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
