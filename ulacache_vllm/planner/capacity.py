@@ -7,7 +7,9 @@ HiSparse rows call vLLM's own `get_kv_cache_groups` / `get_kv_cache_config_from_
 `get_max_concurrency_for_kv_cache_config` and HiSparse layout functions. All of them run on
 a namespace standing in for `VllmConfig`; the planner's own code builds only the inputs (the
 per-rank layer specs each engine would build, the budget). A vLLM block pool's null block and
-the arena's null page are never counted as capacity.
+the arena's null page are never counted as capacity. DSA plans deploy the same GPUs twice: as
+the cluster's TP-P engines and as DP engines of TP 1 (`dp_plan`); multiples are requests that
+fit, taken against the vLLM row holding the most (`Plan.anchor_key`) and against stock.
 """
 from __future__ import annotations
 
