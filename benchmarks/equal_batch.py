@@ -59,6 +59,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -320,9 +321,17 @@ def _worker(cfg: dict) -> dict:
         before = dict(prof.excl)
         st0 = dict(store.time_s) if store is not None else None
         cur.clear()
+        ru0 = resource.getrusage(resource.RUSAGE_THREAD)
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         out = inner_step()
-        rec = {"t": time.perf_counter() - t0, "tokens": cur.get("tokens", 0),
+        t1 = time.perf_counter()
+        ru1 = resource.getrusage(resource.RUSAGE_THREAD)
+        # CPU time of this thread (the in-process engine core and, at TP=1, its worker) and
+        # its page faults: a step stretched by other processes shows wall > cpu; a step doing
+        # first-touch work shows minor faults.
+        rec = {"t": t1 - t0, "cpu": time.thread_time() - c0,
+               "minflt": ru1.ru_minflt - ru0.ru_minflt, "tokens": cur.get("tokens", 0),
                "reqs": cur.get("reqs", 0), "new": cur.get("new", 0),
                "decode": cur.get("decode", False)}
         if cfg["profile"]:
@@ -400,6 +409,8 @@ def _worker(cfg: dict) -> dict:
              "empty_steps": sum(1 for s in steps if not s["tokens"]),
              "decode_ms": _summ([1000 * s["t"] for s in full]),
              "decode_steps_ms": [round(1000 * s["t"], 3) for s in full],
+             "decode_steps_cpu_ms": [round(1000 * s["cpu"], 3) for s in full],
+             "decode_steps_minflt": [s["minflt"] for s in full],
              "prefill_ms_total": 1000 * sum(s["t"] for s in prefill),
              "all_steps_ms_total": 1000 * sum(s["t"] for s in steps),
              "out_tokens": sum(map(len, toks)),
@@ -417,6 +428,9 @@ def _worker(cfg: dict) -> dict:
                 r[label] = {k: 1000 * sum(s["ph"].get(k, 0.0) for s in sel) / len(sel)
                             for k in keys}
             r["phase_calls_timed_run"] = dict(prof.calls)
+            # The first decode steps one by one (where a warm-up effect would show).
+            r["phases_ms_first_decode_steps"] = [
+                {k: round(1000 * v, 3) for k, v in sorted(s["ph"].items())} for s in full[:8]]
         if store is not None and full:
             r["store_ms_per_decode_step"] = {
                 k: 1000 * sum(s["store"][k] for s in full) / len(full) for k in store.time_s}

@@ -179,8 +179,10 @@ class TieredMapping:
         out = torch.where(is_local, self.loc.index_select(0, safe) & SLOT_MASK, torch.full_like(idx, -1))
         return out.reshape(shape)
 
-    def _release(self, u: torch.Tensor) -> int:
-        lv = self.loc.index_select(0, u)
+    def _release(self, u: torch.Tensor, lv: torch.Tensor | None = None) -> int:
+        """Unmaps the unique entries ``u`` (``lv``: their ``loc`` values, if already read)."""
+        if lv is None:
+            lv = self.loc.index_select(0, u)
         mapped = lv >= 0
         tier = lv >> SLOT_BITS
         slots = lv & SLOT_MASK
@@ -252,11 +254,14 @@ class TieredMapping:
             return self._slots_out(is_local, idx, shape), self._empty_plan()
         n = u.numel()
         victims = None
+        # New rows are unmapped as a rule (re-assignment: speculative decoding's rewrites):
+        # one read of their table values decides whether anything must be released first.
+        lv = self.loc.index_select(0, u)
+        remapped = bool((lv >= 0).any())
         if n > self.dev.num_free:
             # Victims first, so that a CapacityError leaves everything as it was. Entries being
             # re-assigned give their slots back below: they are neither victims nor counted
             # as missing room (untracked for the selection, tracked again if it fails).
-            lv = self.loc.index_select(0, u)
             tier = lv >> SLOT_BITS
             own_dev = (lv & SLOT_MASK).masked_select(tier == DEVICE)
             own_host = int((tier == HOST).sum())
@@ -269,7 +274,8 @@ class TieredMapping:
                 except CapacityError:
                     self.policy.touch(own_dev)
                     raise
-        self._release(u)
+        if remapped:
+            self._release(u, lv)
         f = min(n, self.dev.num_free)
         k = n - f
         late = u[f:]
@@ -310,8 +316,12 @@ class TieredMapping:
         self.policy.touch(slots)
         self.stats.assigned += idx.numel()
 
-    def ensure_resident(self, addrs: torch.Tensor):
+    def ensure_resident(self, addrs: torch.Tensor, *, drop_unmapped: bool = False,
+                        want_slots: bool = True):
         """Make the selected entries device-resident; duplicates and -1 padding allowed.
+        ``drop_unmapped``: unmapped addresses are skipped (as padding) instead of raising
+        ``KeyError`` (the engine's settle: entries freed since they were read). With
+        ``want_slots=False`` the slots are not computed (``None`` is returned in their place).
 
         Hits are touched (current round); misses are promoted, evicting victims that were not
         used in the current round (so never anything of this call). Returns
@@ -325,15 +335,22 @@ class TieredMapping:
         addrs, shape = self._addrs(addrs, "ensure_resident")
         is_local, idx, u = self._local_unique(addrs)
         lv = self.loc.index_select(0, u)
-        if bool((lv < 0).any()):  # before any touch: a failed call changes nothing
-            raise KeyError("ensure_resident: some addresses were never assigned (or were freed)")
+        unmapped = lv < 0
+        if bool(unmapped.any()):  # before any touch: a failed call changes nothing
+            if not drop_unmapped:
+                raise KeyError("ensure_resident: some addresses were never assigned (or were "
+                               "freed)")
+            keep = ~unmapped
+            u, lv = K.compact(u, keep), K.compact(lv, keep)
+        slots_out = (lambda: self._slots_out(is_local, idx, shape)) if want_slots else (
+            lambda: None)
         hit = self.policy.hit_touch(lv)
         miss = K.compact(u, ~hit)
         m = miss.numel()
         if m == 0:
             self.stats.lookups += u.numel()
             self.stats.hits += u.numel()
-            return self._slots_out(is_local, idx, shape), self._empty_plan()
+            return slots_out(), self._empty_plan()
         mv = self.loc.index_select(0, miss)
         psrc = mv & SLOT_MASK
         f = min(m, self.dev.num_free)
@@ -353,7 +370,7 @@ class TieredMapping:
         self.stats.promotions += m
         plan = self._new_plan(victims, hdst, psrc, pdst, c, torch.cat([miss, ventries]),
                               torch.cat([pdst, (HOST << SLOT_BITS) | hdst]))
-        return self._slots_out(is_local, idx, shape), plan
+        return slots_out(), plan
 
     def free(self, addrs: torch.Tensor) -> int:
         """Release entries (device or host); never-assigned addresses (also those past the
@@ -372,12 +389,11 @@ class TieredMapping:
         like ``addrs``: -1 where the entry is not on that tier, unmapped, or padding (-1).
         Fixed-shape tensor ops, no host read: what the forward's resolve runs."""
         loc = self.visible.index_select(0, addrs.reshape(-1).clamp(min=0)).view_as(addrs)
-        loc = torch.where(addrs >= 0, loc, torch.full_like(loc, -1))
+        loc = loc.masked_fill(addrs < 0, -1)
+        # -1 (unmapped) >> 32 is -1: neither tier.
         tier = loc >> SLOT_BITS
         slot = loc & SLOT_MASK
-        neg = torch.full_like(slot, -1)
-        return (torch.where((loc >= 0) & (tier == DEVICE), slot, neg),
-                torch.where((loc >= 0) & (tier == HOST), slot, neg))
+        return (torch.where(tier == DEVICE, slot, -1), torch.where(tier == HOST, slot, -1))
 
     def apply(self, plan: MovePlan, copy_fn: CopyFn) -> MovePlan:
         """Copy the plan's rows with ``copy_fn(src_tier, src_slots, dst_tier, dst_slots)``

@@ -30,16 +30,20 @@ def sparse_mla_attention(
     for s in range(0, T, TOKEN_CHUNK):
         e = min(T, s + TOKEN_CHUNK)
         idx = rows[s:e].long()
+        t, K = idx.shape
         valid = idx >= 0
-        kv = kv_rows[idx.clamp(min=0)]  # [t, K, D]
+        # Flat row gathers (index_select: ~2.5x advanced indexing's speed on CPU); the staged
+        # rows are merged in as whole-row integers (`_as_words`), the same bytes.
+        kv = kv_rows.index_select(0, idx.reshape(-1).clamp(min=0))  # [t * K, D]
         for ids, src in staged or ():  # stage: other sources' rows beside the device rows
             h = ids[s:e].long()
             there = h >= 0
             if src.shape[0] == 0:
                 continue
-            kv = torch.where(there.unsqueeze(-1), src[h.clamp(min=0)].to(kv.device), kv)
+            got = src.index_select(0, h.reshape(-1).clamp(min=0)).to(kv.device)
+            kv = torch.where(there.reshape(-1, 1), _as_words(got), _as_words(kv)).view(kv.dtype)
             valid = valid | there
-        kv = kv.float()
+        kv = kv.view(t, K, -1).float()
         # Padding gathers row 0; zero it so whatever lives there (even NaN/Inf) cannot leak
         # into the output through 0 * x in the value product.
         kv = kv.masked_fill(~valid.unsqueeze(-1), 0.0)
@@ -52,3 +56,11 @@ def sparse_mla_attention(
         out[s:e] = torch.einsum("thk,tkd->thd", probs, kv[..., :d_v]).to(q.dtype)
         lse[s:e] = torch.where(has_any[:, None], m, lse[s:e])
     return out, lse
+
+
+def _as_words(rows: torch.Tensor) -> torch.Tensor:
+    """Contiguous ``[N, D]`` rows viewed as int64 words when a row is a whole number of them
+    (a row merge then moves 8 bytes an element: ~2x the speed of float32 on CPU)."""
+    if rows.is_contiguous() and (rows.shape[1] * rows.element_size()) % 8 == 0:
+        return rows.view(torch.int64)
+    return rows

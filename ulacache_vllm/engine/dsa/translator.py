@@ -133,11 +133,13 @@ class GroupTranslator(KVTranslator):
             mine = torch.zeros(g.width, rb, dtype=torch.uint8, device=st.device)
             n = d.numel()
             if n:
-                rows = st.device_bytes[layer_name].index_select(0, d.clamp(min=0))
+                # Rows as whole words (`_wide`): the merge and the copy move 8 bytes an element.
+                rows = st._wide(st.device_bytes[layer_name]).index_select(0, d.clamp(min=0))
                 if h is not None:
-                    hb = st.host_bytes[layer_name].index_select(0, h.clamp(min=0)).to(rows.device)
+                    hb = st._wide(st.host_bytes[layer_name]).index_select(
+                        0, h.clamp(min=0)).to(rows.device)
                     rows = torch.where((h >= 0).unsqueeze(1), hb, rows)
-                mine[:n] = rows
+                st._wide(mine)[:n] = rows
             got = st.exchange.all_gather(mine, "rows", st.layer_index[layer_name])
         got = got.view(-1, rb)
         g.fetched[layer_name] = got
