@@ -7,6 +7,7 @@ the counts; exits non-zero on the first violated invariant.
 
     python benchmarks/fuzz_manager.py --ops 100000 --seeds 3
     python benchmarks/fuzz_manager.py --arena --ops 100000 --seeds 3
+    python benchmarks/fuzz_manager.py --arena --caching --ops 100000 --seeds 3
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--no-worker", action="store_true", help="the manager alone (faster)")
     ap.add_argument("--arena", action="store_true", help="the hybrid arena's manager + worker")
+    ap.add_argument("--caching", action="store_true",
+                    help="--arena with vLLM's prefix caching on (hits, evictions, resets)")
     args = ap.parse_args(argv)
     if args.arena:
         return _arena(args)
@@ -53,7 +56,8 @@ def _arena(args) -> int:
             st = None
             while ops < args.ops // len(configs):
                 st = run_arena(seed * 1000 + steps, 2000, total_pages=pages,
-                               force_moves=force, fault_every=faults)
+                               force_moves=force, fault_every=faults,
+                               caching=args.caching)
                 steps += st.steps
                 ops += sum(st.ops.values())
             dt = time.perf_counter() - t0
@@ -61,7 +65,9 @@ def _arena(args) -> int:
                   f"faults 1/{faults or '-'}: {ops} ops over {steps} steps in {dt:.1f} s "
                   f"({ops / dt:.0f}/s); last run: ops {st.ops}, refused {st.refused}, "
                   f"compactions {st.compactions}, relayouts {st.relayouts}, lost pages "
-                  f"{st.lost_pages}: all invariants held")
+                  f"{st.lost_pages}, hit tokens {st.hit_tokens}, cache evictions "
+                  f"{st.cache_evictions}, cached pages moved {st.cached_pages_moved}, resets "
+                  f"{st.resets}: all invariants held")
     return 0
 
 

@@ -40,6 +40,7 @@ Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
 from __future__ import annotations
 
 import copy
+import heapq
 import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -135,14 +136,27 @@ class _ArenaState:
     def evict_for(self, need_bytes: int, keep: set[int]) -> int:
         """The arena's reclaim: evict the coldest free-but-cached pages (not in ``keep``: a
         request's own hits) until ``need_bytes`` are free; returns the pages evicted."""
-        cold = sorted((self.lru_stamp[v], v, p) for p in self.pools for v in p.lru
-                      if v not in keep)
+        page = self.arena.page_bytes
         n = 0
-        for _, v, pool in cold:
-            if self.arena.free_bytes >= need_bytes:
+        while self.arena.free_bytes < need_bytes:
+            # Each pool's LRU is in stamp order: merge their cold ends lazily, take victims
+            # worth the deficit (bytes a fence withholds come back later: loop).
+            short = need_bytes - self.arena.free_bytes
+            merged = heapq.merge(*(((self.lru_stamp[v], v, p) for v in p.lru)
+                                   for p in self.pools))
+            victims = []
+            for _, v, pool in merged:
+                if v in keep:
+                    continue
+                victims.append((v, pool))
+                short -= page[pool._kind]
+                if short <= 0:
+                    break
+            if not victims:
                 break
-            pool.evict_page(self.live[v])
-            n += 1
+            for v, pool in victims:
+                pool.evict_page(self.live[v])
+            n += len(victims)
         self.cache_stats["cache_evictions"] += n
         return n
 
