@@ -103,9 +103,18 @@ def _worker(cfg: dict) -> dict:
     kw = dict(kv_backend=cfg["backend"], kv_cache_memory_bytes=cfg["kv_bytes"])
     if cfg["block_size"]:
         kw["block_size"] = cfg["block_size"]
+    if cfg.get("spec"):  # --spec: the same speculative settings for every config
+        kw.update(speculative_config=cfg["spec"], disable_log_stats=False)
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0,
               max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
               enable_prefix_caching=False, **kw)
+
+    def spec_counts():
+        if not cfg.get("spec"):
+            return None
+        return {m.name[len("vllm:spec_decode_"):]: m.value for m in llm.get_metrics()
+                if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                              "vllm:spec_decode_num_accepted_tokens")}
     eng = llm.llm_engine
     sch = eng.engine_core.engine_core.scheduler  # in-process engine core
     kvm = sch.kv_cache_manager
@@ -175,7 +184,7 @@ def _worker(cfg: dict) -> dict:
         sp = SamplingParams(temperature=0, max_tokens=o_len, ignore_eos=True)
         steps.clear()
         cur["preempt"] = 0
-        a0 = arena_stats()
+        a0, s0 = arena_stats(), spec_counts()
         added, first, done, out_tokens = {}, {}, 0, 0
         nxt = 0
         step_s: list[float] = []
@@ -235,6 +244,10 @@ def _worker(cfg: dict) -> dict:
                     "ladder_us_median": 1e6 * statistics.median(s[4] for s in sel),
                     "ladder_us_mean": 1e6 * statistics.fmean(s[4] for s in sel),
                     "ladder_calls_mean": statistics.fmean(s[5] for s in sel)}
+        if s0 is not None:  # drafts judged in this shape, and the acceptance rate
+            sd = {k: v - s0.get(k, 0) for k, v in spec_counts().items()}
+            sd["acceptance"] = sd["num_accepted_tokens"] / max(1, sd["num_draft_tokens"])
+            r["spec_decode"] = sd
         r["sched_all"] = cost(busy)
         r["sched_at_64"] = cost([s for s in busy if 56 <= s[0] <= 72])
         if a0 is not None:
@@ -279,14 +292,28 @@ def _spawn(cfg: dict) -> dict:
             "stderr_tail": out.stderr[-6000:], "stdout_tail": out.stdout[-2000:]}
 
 
-def _model_path(name: str) -> str:
+def _model_path(name: str, mtp: bool = False) -> str:
     from ulacache_vllm.models import build_model
 
     m = MODELS[name]
-    path = REPO / "models_cache" / m["dir"]
+    overrides = dict(m["overrides"], **({"num_nextn_predict_layers": 1} if mtp else {}))
+    path = REPO / "models_cache" / (m["dir"] + ("-mtp" if mtp else ""))
     if not (path / "config.json").exists():
-        build_model(name, path, overrides=m["overrides"])
+        build_model(name, path, overrides=overrides)
     return str(path)
+
+
+def _spec_config(arg: str | None) -> dict | None:
+    """``--spec METHOD[:K]`` as vLLM's speculative_config (n-gram: lookup of 1..3 tokens)."""
+    if not arg:
+        return None
+    method, _, k = arg.partition(":")
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": int(k or 3),
+                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": int(k or 2)}
+    raise SystemExit(f"--spec {arg}: method must be ngram or mtp")
 
 
 def _fmt(v, spec=".1f"):
@@ -469,6 +496,10 @@ def main() -> None:
                     "GPT-OSS: short only with --quick)")
     ap.add_argument("--kv-bytes", type=int, default=None, help="override the byte budget")
     ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--spec", default=None, metavar="METHOD[:K]",
+                    help="speculative decoding for every config: ngram[:k] (default k 3) or "
+                    "mtp[:k] (Qwen3-Next's own MTP layer: a model built with one; default 2); "
+                    "results in <out>_spec_<method>")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--report", metavar="JSON",
                     help="print the targets (with the physical bound) of a saved run; run nothing")
@@ -490,6 +521,9 @@ def main() -> None:
     max_model_len = 2048 if quick else 4096
     all_shapes = SHAPES_QUICK if quick else SHAPES_FULL
     out = Path(args.out) / ("hybrid_capacity_quick" if quick else "hybrid_capacity")
+    spec = _spec_config(args.spec)
+    if spec:
+        out = out.with_name(f"{out.name}_spec_{spec['method']}")
     out.parent.mkdir(parents=True, exist_ok=True)
     from _host import cpu_host
 
@@ -504,12 +538,12 @@ def main() -> None:
             names = list(all_shapes)
         shapes = {s: all_shapes[s] for s in names}
         budget = args.kv_bytes or BUDGETS[(model, quick)]
-        path = _model_path(model)
+        path = _model_path(model, mtp=bool(spec) and spec["method"] == "mtp")
         results = {}
         for name in args.configs.split(","):
             cfg = dict(CONFIGS[name], name=name, model=path, dtype=MODELS[model]["dtype"],
                        kv_bytes=budget, max_model_len=max_model_len,
-                       max_num_seqs=args.max_num_seqs, shapes=shapes,
+                       max_num_seqs=args.max_num_seqs, shapes=shapes, spec=spec,
                        shape_timeout=900 if quick else 3600, timeout=3600 if quick else 14400)
             print(f"running {model} / {name} ...", flush=True)
             results[name] = _spawn(cfg)
@@ -532,6 +566,15 @@ def main() -> None:
         lines.append("shapes (prompt, output, requests, concurrency): " + json.dumps(shapes))
         lines += _table(model, results, [s for s in shapes])
         lines += _ladder_lines(model, results)
+        if spec:
+            lines.append(f"speculative decoding {json.dumps(spec)} (drafts judged, accepted):")
+            for n, r in results.items():
+                for sh, sr in ({} if r.get("failed") else r["shapes"]).items():
+                    sd = sr.get("spec_decode") or {}
+                    lines.append(f"  {n} {sh}: {sd.get('num_draft_tokens')} draft tokens, "
+                                 f"{sd.get('num_accepted_tokens')} accepted "
+                                 f"(rate {_fmt(sd.get('acceptance'), '.3f')}), step "
+                                 f"{_fmt(sr.get('step_ms_median'))} ms median")
         window = json.loads((Path(path) / "config.json").read_text()).get("sliding_window")
         lines += ["", "targets:"] + ["  " + t for t in _targets(results, shapes, budget, window)]
         print("\n".join(lines), flush=True)

@@ -161,10 +161,11 @@ attempt("trace_dir", model=ARGS["dsa"], kv_backend="ulacache",
 # prefill, a 4096-token default step, which ulacache lowers to fit when it can).
 attempt("device_small", model=ARGS["dsa"], kv_backend="ulacache", ula_host_pool_gib=0.01,
         kv_cache_memory_bytes=2_000_000, **ARGS["reference_path"])
-# The arena (hybrid models) refuses speculative decoding, before any model loads.
+# The arena (hybrid models) refuses a separate draft model, before any model loads (n-gram
+# and MTP run: tests/test_arena_spec_decode.py).
 attempt("arena_spec", model=ARGS["gpt_oss"], kv_backend="ulacache",
-        speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                            "prompt_lookup_max": 3})
+        speculative_config={"method": "draft_model", "model": ARGS["gpt_oss"],
+                            "num_speculative_tokens": 2})
 # Not vLLM's CPU build (the platform says so for this one attempt): refused, naming the fix.
 from vllm.platforms import current_platform
 current_platform.is_cpu = lambda: False
@@ -198,10 +199,12 @@ def test_clear_errors_from_llm(tiny_model):
     dev = res["device_small"]
     assert dev.startswith("KVBackendError: ulacache device pool too small"), dev
     assert "2000000 bytes" in dev and "Raise the KV budget" in dev
-    # The arena refuses speculative decoding (here n-gram) in the front end, naming the fix.
+    # The arena refuses a separate draft model in the front end, naming the method, the
+    # model and both fixes (n-gram with the arena, or the stock backend).
     spec = res["arena_spec"]
     assert spec.startswith("KVBackendError") and "speculative decoding" in spec, spec
-    assert "arena" in spec and "--kv-backend vllm" in spec, spec
+    assert "'draft_model'" in spec and "GptOssForCausalLM" in spec, spec
+    assert "arena" in spec and "--kv-backend vllm" in spec and '"ngram"' in spec, spec
     # On a platform other than vLLM's CPU build (CUDA), ulacache refuses to start: its
     # translation hook is wired into the CPU sparse-MLA backend only.
     not_cpu = res["not_cpu"]

@@ -106,6 +106,35 @@ def _add_mtp_layers(d: Path, kwargs: dict[str, Any], seed: int) -> None:
               metadata={"format": "pt"})
 
 
+def _add_qwen3_next_mtp(d: Path, kwargs: dict[str, Any], seed: int) -> None:
+    """Qwen3-Next's MTP module (vLLM's `Qwen3NextMTP` names, ``mtp.*``), which transformers
+    does not build: layer ``i`` a copy of the last full-attention decoder layer, the norms
+    copies of the final norm, and an ``fc`` over [embedding | hidden] that mostly passes the
+    next token's embedding through: its guess leans on that token, as a random target's
+    next-token logits partly do, so drafts are sometimes accepted, sometimes not."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(d / WEIGHTS))
+    n = int(kwargs["num_hidden_layers"])
+    hidden = int(kwargs["hidden_size"])
+    gen = torch.Generator().manual_seed(seed + 1)
+    full = max(i for i in range(n) if f"model.layers.{i}.self_attn.q_proj.weight" in tensors)
+    last = f"model.layers.{full}."
+    norm = tensors["model.norm.weight"]
+    for i in range(int(kwargs["num_nextn_predict_layers"])):
+        pre = f"mtp.layers.{i}."
+        for k in [k for k in tensors if k.startswith(last)]:
+            tensors[pre + k[len(last):]] = tensors[k].clone()
+    tensors["mtp.fc.weight"] = torch.cat([torch.eye(hidden),
+                                          0.05 * torch.randn(hidden, hidden, generator=gen)],
+                                         dim=1).to(torch.bfloat16)
+    for k in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        tensors[f"mtp.{k}.weight"] = norm.clone()
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(d / WEIGHTS),
+              metadata={"format": "pt"})
+
+
 def _copy_weights(d: Path, src: Path) -> list[str]:
     """Replace ``d``'s freshly saved weights by the source's tensors of the same names.
 
@@ -172,11 +201,16 @@ def build_model(
         special_ids = save_tokenizer(tmp, kwargs["vocab_size"])
         config = _make_config(name, kwargs, special_ids)
         _random_weights(config, tmp, seed)
-        if src is None and int(kwargs.get("num_nextn_predict_layers", 0) or 0) > 0:
-            _add_mtp_layers(tmp, kwargs, seed)
+        mtp = src is None and int(kwargs.get("num_nextn_predict_layers", 0) or 0) > 0
+        if mtp:
+            (_add_qwen3_next_mtp if name == "qwen3_next" else _add_mtp_layers)(tmp, kwargs, seed)
         if src is not None:
             info["dropped_tensors"] = _copy_weights(tmp, src)
         _finish_config(name, tmp, kwargs)
+        if mtp:  # (vLLM reads the MTP layer count from config.json)
+            cfg = json.loads((tmp / "config.json").read_text())
+            cfg["num_nextn_predict_layers"] = int(kwargs["num_nextn_predict_layers"])
+            _write_json(tmp / "config.json", cfg)
         _write_json(tmp / BUILD_INFO, info)
         if out.exists():
             shutil.rmtree(out)

@@ -228,7 +228,8 @@ class ArenaWorker(LineWorker):
         lay = self.layout
         out["alignment"] = lay.alignment
         out["kinds"] = {g.kind: {"layers": len(g.layer_names), "page_bytes": g.page_bytes,
-                                 "block_size": g.block_size, "band": g.band}
+                                 "block_size": g.block_size, "band": g.band,
+                                 "pages_per_request": g.pages_per_max_request}
                         for g in lay.groups}
         out["max_requests"] = lay.max_requests
         out["kinds_null_bytes"] = lay.null_page_bytes
