@@ -102,8 +102,8 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
                  f"rounded up to the arena's alignment (a power of two dividing the page "
                  f"sizes, doubled until the arena has at most {arena_sizing.MAX_GRANULES} "
                  f"granules), a null page reserved; attention in "
-                 f"{ARENA_BLOCK_SIZE}-token pages; {{}}; prefix caching off (ulacache turns it "
-                 f"off). The engine runs the arena on vLLM's CPU build (TP included: every rank "
+                 f"{ARENA_BLOCK_SIZE}-token pages; {{}}; prefix caching off (modelled so; the "
+                 f"engine keeps it on where stock has it, not modelled here). The engine runs the arena on vLLM's CPU build (TP included: every rank "
                  f"runs the same plan on its heads' share of each page); on GPUs this is its "
                  f"sizing per rank, not a configuration it starts yet")
         if m.kind == "gdn":
