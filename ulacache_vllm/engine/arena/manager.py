@@ -142,8 +142,7 @@ class _ArenaState:
             # Each pool's LRU is in stamp order: merge their cold ends lazily, take victims
             # worth the deficit (bytes a fence withholds come back later: loop).
             short = need_bytes - self.arena.free_bytes
-            merged = heapq.merge(*(((self.lru_stamp[v], v, p) for v in p.lru)
-                                   for p in self.pools))
+            merged = heapq.merge(*(self._cold(p) for p in self.pools))
             victims = []
             for _, v, pool in merged:
                 if v in keep:
@@ -156,9 +155,18 @@ class _ArenaState:
                 break
             for v, pool in victims:
                 pool.evict_page(self.live[v])
+                if v in pool.lru:  # never loop on a page that stayed cached
+                    raise RuntimeError(f"ulacache arena: evicting cached page {v} left it "
+                                       "in its pool's LRU (pool bookkeeping diverged)")
             n += len(victims)
         self.cache_stats["cache_evictions"] += n
         return n
+
+    def _cold(self, pool):
+        # One generator per pool (binds ``pool`` now: a nested generator expression would
+        # late-bind the loop variable and name the last pool for every victim).
+        stamp = self.lru_stamp
+        return ((stamp[v], v, pool) for v in pool.lru)
 
     def staged_count(self) -> int:
         return sum(len(v) for v in self.staged.values())
