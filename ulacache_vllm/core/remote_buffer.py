@@ -56,7 +56,11 @@ class RemoteRowBuffer:
         # a rank simply leaves the slots of its own addresses unused.
         self.replicated = replicated
         self.num_logical = num_logical
-        self.table = torch.full((max(1, num_logical),), -1, dtype=torch.int32, device=self.device)
+        # One entry past the space stays -1 forever: `slots_of` maps padding and addresses out
+        # of range there (clamp + remainder) instead of masking before and after the gather.
+        self.table = torch.full((num_logical + 1,), -1, dtype=torch.int32, device=self.device)
+        # (unique remote addresses, buffered?) of the last `settle`, for callers' counters.
+        self.last_lookup: tuple[torch.Tensor, torch.Tensor] | None = None
         self.pool = SlotPool(num_slots, self.device)  # owner = the buffered address
         self.policy = (lru(num_slots, self.device, ring_size) if callable(lru)
                        else make_policy(lru, num_slots, self.device, ring_size))
@@ -76,15 +80,26 @@ class RemoteRowBuffer:
 
     def _unique_remote(self, addrs: torch.Tensor) -> torch.Tensor:
         a = torch.as_tensor(addrs, device=self.device).reshape(-1).long()
+        if self.replicated:  # unique first (sorted), then drop what is out of range
+            u = torch.unique(a)
+            return u.masked_select((u >= 0) & (u < self.num_logical))
         return torch.unique(a.masked_select(self._remote(a)))
+
+    def _lookup(self, a: torch.Tensor) -> torch.Tensor:
+        """Table value (int32) of each address; -1 for padding and addresses out of range
+        (they read the sentinel entry past the space)."""
+        n = self.num_logical
+        idx = a.reshape(-1).clamp(-1, n).remainder(n + 1)
+        return self.table.index_select(0, idx).view(a.shape)
 
     def slots_of(self, addrs: torch.Tensor) -> torch.Tensor:
         """Buffer slot of each buffered remote entry, -1 elsewhere (any shape; the forward's
         one gather)."""
         a = addrs.long()
-        rem = self._remote(a)
-        v = self.table.index_select(0, torch.where(rem, a, 0).reshape(-1)).view_as(a).long()
-        return torch.where(rem, v, torch.full_like(v, -1))
+        v = self._lookup(a).long()
+        if self.replicated:
+            return v
+        return v.masked_fill(self.shard.owned(a), -1)
 
     def settle(self, addrs: torch.Tensor, insertable: torch.Tensor | None = None):
         """Between steps: the remote entries a step read (``addrs``; duplicates, owned entries
@@ -94,11 +109,13 @@ class RemoteRowBuffer:
         u = self._unique_remote(addrs)
         v = self.table.index_select(0, u).long()
         hit = v >= 0
+        self.last_lookup = (u, hit)
+        nhit = int(hit.sum())
         self.stats.lookups += u.numel()
-        self.stats.hits += int(hit.sum())
-        if bool(hit.any()):
+        self.stats.hits += nhit
+        if nhit:
             self.policy.touch(v.masked_select(hit))
-        miss = u.masked_select(~hit)
+        miss = u.masked_select(~hit) if nhit else u
         if insertable is not None:
             miss = miss.masked_select(torch.isin(miss, insertable.to(miss.device)))
         n = miss.numel()
@@ -128,9 +145,16 @@ class RemoteRowBuffer:
 
     def invalidate(self, addrs) -> int:
         """Drop the buffered rows of freed entries; returns how many were buffered."""
-        u = self._unique_remote(addrs)
-        if u.numel() == 0:
+        a = torch.as_tensor(addrs, device=self.device).reshape(-1).long()
+        if a.numel() == 0:
             return 0
+        held = self._lookup(a) >= 0
+        if self.replicated:  # usually nothing is held (new rows): one lookup, no unique
+            if not bool(held.any()):
+                return 0
+            u = torch.unique(a.masked_select(held))
+        else:
+            u = self._unique_remote(a)
         v = self.table.index_select(0, u).long()
         held = v >= 0
         slots = v.masked_select(held)

@@ -16,6 +16,7 @@ mismatch instead of hanging.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,22 @@ from ulacache_vllm.core.placement import TokenShard
 
 class LockstepError(RuntimeError):
     pass
+
+
+class _Timer:
+    """Adds a ``with`` block's wall time to ``acc[key]`` (a plain class: cheap per use)."""
+    __slots__ = ("acc", "key", "t0")
+
+    def __init__(self, acc: dict, key: str):
+        self.acc, self.key = acc, key
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self.acc[self.key] += time.perf_counter() - self.t0
+        return False
 
 
 def _gather(out: torch.Tensor, t: torch.Tensor, group) -> None:
@@ -52,6 +69,15 @@ class TPExchange:
         self.fast_max_bytes = fast_max_bytes
         self.step = 0
         self.gathers = 0
+        # Wall seconds per part of the exchange, summed over steps (the worker's stats merge
+        # them into the store's ``time_s``): the indexer's candidate all-gathers and the row
+        # all-gathers (the collectives, waiting for the slowest rank included), the buffer
+        # lookups and the miss plan of each group's read, and the settle of the buffer.
+        self.time_s = {"x_candidates": 0.0, "x_rows": 0.0, "x_lookup": 0.0, "x_plan": 0.0,
+                       "x_settle": 0.0}
+
+    def timed(self, key: str) -> _Timer:
+        return _Timer(self.time_s, key)
 
     def _check(self, op: str, layer: int) -> None:
         if not self.lockstep_check:
@@ -74,10 +100,11 @@ class TPExchange:
         words = flat.view(torch.float32) if flat.dtype != torch.float32 else flat
         out = torch.empty(self.shard.world * words.numel(), dtype=torch.float32,
                           device=t.device)
-        if self.fast_gather is not None and words.numel() * 4 <= self.fast_max_bytes:
-            self.fast_gather(out, words)
-        else:
-            _gather(out, words, self.group)
+        with _Timer(self.time_s, "x_rows" if op == "rows" else "x_candidates"):
+            if self.fast_gather is not None and words.numel() * 4 <= self.fast_max_bytes:
+                self.fast_gather(out, words)
+            else:
+                _gather(out, words, self.group)
         self.gathers += 1
         return out.view(t.dtype).view(self.shard.world, *t.shape)
 
@@ -102,24 +129,96 @@ class ShardedRows:
         """TP shard mode: the previous step's reads of ``g`` update the buffer directory the
         same way on every rank (hits touched, fetched rows kept unless freed since); this rank
         copies in the kept rows it does not own."""
-        sh = self.shard
-        sel = sel[sel >= 0]
-        rem = torch.unique(sel[~sh.owned(sel)])
-        self.counters.remote_lookups += rem.numel()
-        self.counters.remote_hits += int((g.remote.slots_of(rem) >= 0).sum())
-        fetched = g.fetch_addrs
-        if fetched is not None and freed is not None and fetched.numel():
-            fetched = fetched.masked_select(~torch.isin(fetched, freed))
-        keep, slots = g.remote.settle(sel, insertable=fetched)
-        mine = ~sh.owned(keep)
-        keep, slots = keep[mine], slots[mine]
-        if keep.numel():
-            pos = g.fetch_index.index_select(0, torch.searchsorted(g.fetch_addrs, keep))
-            rows = slots + self.remote_base
-            with self.timed("copy"):
-                for name in g.layers:  # as whole words (`_wide`), ~6x uint8's speed on CPU
-                    self._wide(self.device_bytes[name]).index_copy_(
-                        0, rows, self._wide(g.fetched[name]).index_select(0, pos))
+        with self.exchange.timed("x_settle"):
+            sh = self.shard
+            fetched = g.fetch_addrs
+            if fetched is not None and freed is not None and fetched.numel():
+                fetched = fetched.masked_select(~torch.isin(fetched, freed))
+            keep, slots = g.remote.settle(sel, insertable=fetched)
+            # The counters count the remote addresses among the settle's own lookups.
+            u, hit = g.remote.last_lookup
+            rem = u.remainder(sh.world) != sh.rank
+            self.counters.remote_lookups += int(rem.sum())
+            self.counters.remote_hits += int((hit & rem).sum())
+            if not keep.numel():
+                return
+            mine = keep.remainder(sh.world) != sh.rank
+            keep, slots = keep.masked_select(mine), slots.masked_select(mine)
+            if keep.numel():
+                pos = g.fetch_index.index_select(0, torch.searchsorted(g.fetch_addrs, keep))
+                rows = slots + self.remote_base
+                with self.timed("copy"):
+                    for name in g.layers:  # as whole words (`_wide`), ~6x uint8's speed on CPU
+                        self._wide(self.device_bytes[name]).index_copy_(
+                            0, rows, self._wide(g.fetched[name]).index_select(0, pos))
+
+    def _remote_read(self, g: _Group, logical: torch.Tensor, dev: torch.Tensor):
+        """Resolve's TP half (`GroupTranslator._remote`): remote rows in the buffer read as
+        device rows; the others are this step's misses, which every rank knows alike (same
+        selection, same directory): each owner sends its own in one all-gather per layer
+        (`_remote_rows`). Returns (device rows, ids into the gathered rows)."""
+        sh, ex = self.shard, self.exchange
+        P = sh.world
+        with ex.timed("x_lookup"):
+            bslot = g.remote.slots_of(logical)  # -1 for padding and rows not buffered
+            own = (logical >= 0) & (logical.remainder(P) == sh.rank)
+            dev = torch.where((bslot >= 0) & ~own, bslot + self.remote_base, dev)
+            miss = (logical >= 0) & (bslot < 0)
+        with self.timed("exchange"), ex.timed("x_plan"):
+            # Sorted, the same on every rank; inv: each miss's place in u.
+            u, inv = torch.unique(logical.masked_select(miss), return_inverse=True)
+            ids = torch.full_like(logical, -1)
+            if u.numel():
+                # Each miss's place in the gathered rows: owner's block, then its rank among
+                # the owner's misses (ascending address).
+                owner = u.remainder(P)
+                cum = (owner.unsqueeze(1) == torch.arange(P, device=u.device)).cumsum(0)
+                width = int(cum[-1].max())
+                index = owner * width + cum.gather(1, owner.unsqueeze(1)).squeeze(1) - 1
+                ids.masked_scatter_(miss, index.index_select(0, inv).to(ids.dtype))
+                ids.masked_fill_(own, -1)  # owned misses are read locally
+                mine = u.masked_select(owner == sh.rank).div(P, rounding_mode="floor")
+            else:
+                width, index, mine = 0, u, u
+            if self.identity:
+                serve = (mine, None)
+            else:
+                d, h = g.mapping.locate(mine)
+                serve = (d, h if bool((h >= 0).any()) else None)
+        g.fetch_addrs, g.fetch_index, g.serve, g.width = u, index, serve, width
+        return dev, ids
+
+    def _remote_rows(self, g: _Group, layer_name: str) -> torch.Tensor:
+        """This layer's rows of the group's misses (`GroupTranslator._fetch_rows`): every
+        owner contributes its own, padded to the widest share, in one all-gather (skipped on
+        every rank when nothing missed)."""
+        head = self.layout.mla_head_size
+        if g.width == 0:
+            return torch.empty(0, head, dtype=self.dtype, device=self.device)
+        d, h = g.serve
+        rb = self.layout.mla_row_bytes[layer_name]
+        with self.timed("exchange"):
+            mine = torch.empty(g.width, rb, dtype=torch.uint8, device=self.device)
+            n = d.numel()
+            if n < g.width:
+                mine[n:].zero_()  # padding: defined bytes
+            if n:
+                # Rows as whole words (`_wide`), gathered straight into the send buffer.
+                w = self._wide(mine)[:n]
+                torch.index_select(self._wide(self.device_bytes[layer_name]), 0,
+                                   d.clamp(min=0), out=w)
+                if h is not None:
+                    on_host = h >= 0
+                    hb = self._wide(self.host_bytes[layer_name]).index_select(
+                        0, h.masked_select(on_host)).to(w.device)
+                    w[on_host] = hb
+            got = self.exchange.all_gather(mine, "rows", self.layer_index[layer_name])
+        got = got.view(-1, rb)
+        g.fetched[layer_name] = got
+        others = g.fetch_addrs.numel() - n
+        self.counters.remote_rows_fetched += others
+        self.counters.remote_bytes_fetched += others * rb
+        return got.view(self.dtype).view(got.shape[0], head)
 
     def replica_view(self, name: str) -> torch.Tensor | None:
         """While replicated: indexer layer ``name``'s cache viewed with whole blocks

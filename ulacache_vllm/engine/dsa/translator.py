@@ -76,40 +76,8 @@ class GroupTranslator(KVTranslator):
         return g.read
 
     def _remote(self, logical: torch.Tensor, dev: torch.Tensor):
-        """TP shard mode: remote rows in the buffer read as device rows; the others are this
-        step's misses, which every rank knows alike (same selection, same directory): each
-        owner sends its own in one all-gather per layer (`staged_rows`). Returns (device rows,
-        ids into the gathered rows)."""
-        g, st = self.g, self.store
-        sh = st.shard
-        own = sh.owned(logical)
-        bslot = g.remote.slots_of(logical)
-        dev = torch.where(~own & (bslot >= 0), bslot + st.remote_base, dev)
-        miss = (logical >= 0) & (bslot < 0)
-        with st.timed("exchange"):
-            u = torch.unique(logical.masked_select(miss))  # sorted: the same on every rank
-            owner = u % sh.world
-            counts = torch.bincount(owner, minlength=sh.world)
-            width = int(counts.max()) if u.numel() else 0
-            # Each miss's place in the gathered rows: owner's block, then its rank among the
-            # owner's misses (ascending address).
-            first = torch.cumsum(counts, 0) - counts
-            order = torch.argsort(owner, stable=True)
-            within = torch.empty_like(u)
-            within[order] = torch.arange(u.numel(), device=u.device) - first[owner[order]]
-            index = owner * width + within
-            need = miss & ~own
-            ids = torch.full_like(logical, -1)
-            if bool(need.any()):
-                ids[need] = index.index_select(0, torch.searchsorted(u, logical[need]))
-            mine = u[owner == sh.rank] // sh.world  # local addresses this rank sends
-            if st.identity:
-                serve = (mine, None)
-            else:
-                d, h = g.mapping.locate(mine)
-                serve = (d, h if bool((h >= 0).any()) else None)
-        g.fetch_addrs, g.fetch_index, g.serve, g.width = u, index, serve, width
-        return dev, ids
+        """TP shard mode: buffered remote rows and this step's misses (`tp_shard`)."""
+        return self.store._remote_read(self.g, logical, dev)
 
     def staged_rows(self, layer_name: str) -> list[torch.Tensor]:
         g, st = self.g, self.store
@@ -121,29 +89,5 @@ class GroupTranslator(KVTranslator):
         return out
 
     def _fetch_rows(self, layer_name: str) -> torch.Tensor:
-        """This layer's rows of the group's misses: every owner contributes its own, padded to
-        the widest share, in one all-gather (skipped on every rank when nothing missed)."""
-        g, st = self.g, self.store
-        head = st.layout.mla_head_size
-        if g.width == 0:
-            return torch.empty(0, head, dtype=st.dtype, device=st.device)
-        d, h = g.serve
-        rb = st.layout.mla_row_bytes[layer_name]
-        with st.timed("exchange"):
-            mine = torch.zeros(g.width, rb, dtype=torch.uint8, device=st.device)
-            n = d.numel()
-            if n:
-                # Rows as whole words (`_wide`): the merge and the copy move 8 bytes an element.
-                rows = st._wide(st.device_bytes[layer_name]).index_select(0, d.clamp(min=0))
-                if h is not None:
-                    hb = st._wide(st.host_bytes[layer_name]).index_select(
-                        0, h.clamp(min=0)).to(rows.device)
-                    rows = torch.where((h >= 0).unsqueeze(1), hb, rows)
-                st._wide(mine)[:n] = rows
-            got = st.exchange.all_gather(mine, "rows", st.layer_index[layer_name])
-        got = got.view(-1, rb)
-        g.fetched[layer_name] = got
-        others = g.fetch_addrs.numel() - n
-        st.counters.remote_rows_fetched += others
-        st.counters.remote_bytes_fetched += others * rb
-        return got.view(st.dtype).view(got.shape[0], head)
+        """TP shard mode: this layer's rows of the misses, one all-gather (`tp_shard`)."""
+        return self.store._remote_rows(self.g, layer_name)

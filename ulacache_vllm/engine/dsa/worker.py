@@ -110,6 +110,8 @@ class DsaWorker(LineWorker):
         out["step"] = st.step
         out["identity_mode"] = st.identity
         out["time_s"] = dict(st.time_s)
+        if st.exchange is not None:  # TP shard mode: the exchange's parts (`TPExchange`)
+            out["time_s"].update(st.exchange.time_s)
         lay = st.layout
         # The step budget the engine core's scheduler runs with (vLLM's default lowered to
         # the device pool, or None when the configured value was kept).
