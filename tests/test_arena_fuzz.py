@@ -10,6 +10,10 @@ import pytest
 
 from lab.arena_fuzz import run
 
+# Manager-level runs take seconds: a hang (a reclaim loop once did) fails fast, not at
+# the suite's 900 s per-test limit.
+pytestmark = pytest.mark.timeout(120)
+
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_steps_under_pressure_keep_pages_bytes_and_bands(seed):

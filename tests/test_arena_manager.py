@@ -20,6 +20,10 @@ from ulacache_vllm.engine.arena.sizing import ArenaGroup, ArenaLayout
 from ulacache_vllm.engine.line import UlaKVCacheConfig
 from lab.arena_fuzz import Harness, check_tiling
 
+# Manager-level runs take seconds: a hang (a reclaim loop once did) fails fast, not at
+# the suite's 900 s per-test limit.
+pytestmark = pytest.mark.timeout(120)
+
 BS = 32
 MAX_LEN = 512
 FULL = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)

@@ -17,6 +17,10 @@ from vllm.v1.request import Request
 from ulacache_vllm.engine.dsa.manager import UlaKVCacheManager
 from ulacache_vllm.engine.line import UlaKVCacheConfig
 
+# Manager-level runs take seconds: a hang (a reclaim loop once did) fails fast, not at
+# the suite's 900 s per-test limit.
+pytestmark = pytest.mark.timeout(120)
+
 BS = 16
 
 

@@ -7,6 +7,10 @@ import pytest
 
 from lab.manager_fuzz import run
 
+# Manager-level runs take seconds: a hang (a reclaim loop once did) fails fast, not at
+# the suite's 900 s per-test limit.
+pytestmark = pytest.mark.timeout(120)
+
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_operation_sequences_keep_blocks_and_rows_consistent(seed):
