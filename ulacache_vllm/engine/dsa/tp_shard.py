@@ -122,8 +122,10 @@ class IndexerShard:
 
 class ShardedRows:
     """The TP shard mode half of `store.UlaWorkerStore` (mixed into it; every attribute is
-    the store's): the remote-row buffer's settle, and the switch between replicated rows
-    (while every live address fits one rank's pool) and shards."""
+    the store's): the remote-row buffer's settle, a group's read of remote rows (buffer
+    lookups, the step's miss plan, the row all-gather; the translator delegates here), and
+    the switch between replicated rows (while every live address fits one rank's pool) and
+    shards."""
 
     def _settle_remote(self, g: _Group, sel: torch.Tensor, freed: torch.Tensor | None) -> None:
         """TP shard mode: the previous step's reads of ``g`` update the buffer directory the
