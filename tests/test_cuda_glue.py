@@ -618,3 +618,22 @@ def test_layout_builds_the_cuda_worker_for_cuda_caches(monkeypatch):
     cuda_cache = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
     assert lay.build_worker("cfg", "settings", {"l0": cuda_cache}) == "cuda-worker"
     assert seen and seen[0][0] is lay
+
+
+def test_forward_touches_pblru_labels_of_device_hits(kernels, monkeypatch):
+    """PB-LRU labels are touched from the forward (resolve) with the current round."""
+    from ulacache_vllm.core import policies, pblru
+
+    monkeypatch.setattr(pblru, "SMALL_POOL_SLOTS", 0)
+    monkeypatch.setenv("ULACACHE_PBLRU_SMALL_POOL_SLOTS", "0")
+    w = World(False)
+    m = w.rows.mappings[0]
+    assert isinstance(m.policy, pblru.PBLRU) and w.rows.labels[0] is not None
+    w.rows.begin_step()  # a new round: the forward's touches carry it
+    lab = w.rows.labels[0]
+    before = lab.clone()
+    q, topk, md = w.batch(decode_only=True)
+    _ula_out(w, "l0", q, topk, md)
+    changed = (lab != before).nonzero().reshape(-1)
+    assert changed.numel() > 0
+    assert bool((lab[changed] == m.policy.round).all())

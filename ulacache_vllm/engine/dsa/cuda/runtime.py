@@ -25,8 +25,10 @@ buffer of every MLA layer, same address at capture and replay: the fused write k
 exactly the bytes stock would, at translated rows). Padding writes go to staging row ``S - 1``
 (scratch: a layer stages after its own write, so a staged row is always re-filled before read).
 
-Not done here: PB-LRU label touches from the forward (``labels=None``: hits are not refreshed,
-victims may be rows read this step; correctness is unaffected), TP shard mode, MTP draft layers.
+PB-LRU: the resolve touches device hits' round labels from a device round scalar
+(``round_t``, refreshed after ``advance_round``), so settle's victims are never rows read this
+round. The small-pool timestamp scan (pools <= 4096 slots) gets no touch from the forward.
+Not done here: TP shard mode, MTP draft layers.
 """
 from __future__ import annotations
 
@@ -53,6 +55,13 @@ def pin_exact(t: torch.Tensor) -> torch.Tensor:
     if int(getattr(err, "value", err)) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
     return t
+
+
+def _pblru_labels(policy):
+    """The PB-LRU's label table (int16, dummy last entry), or None for other policies."""
+    from ulacache_vllm.core.pblru import PBLRU
+
+    return policy.labels if isinstance(policy, PBLRU) else None
 
 
 class CudaRows:
@@ -99,6 +108,17 @@ class CudaRows:
         self.counters = {"promotions": 0, "demotions": 0, "staged": 0, "overflow": 0,
                          "unmapped": 0, "steps": 0}
         self.write_errors = torch.zeros(1, dtype=torch.int64, device=dev)
+        # PB-LRU round labels touched by the forward's resolve (device hits get the current
+        # round from a device scalar, refreshed in begin_step): eviction sees reads as the
+        # CPU path's settle does. Other policies (the small-pool scan): no touch.
+        self.labels = [_pblru_labels(m.policy) for m in self.mappings]
+        self.round_t = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in groups]
+        self._sync_rounds()
+
+    def _sync_rounds(self) -> None:
+        for gi, m in enumerate(self.mappings):
+            if self.labels[gi] is not None:
+                self.round_t[gi].fill_(m.policy.round)
 
     # ------------------------------------------------------------------ views
     def dev_base(self, layer: str) -> int:
@@ -123,7 +143,10 @@ class CudaRows:
         impl = K.resolve_impl(logical)
         log = self.logs[layer]
         table = self.mappings[self.group_of[layer]].visible
-        rows = impl.resolve(logical, table, None, None, num_tokens, self.identity, self.state,
+        gi = self.group_of[layer]
+        labels = self.labels[gi]
+        rows = impl.resolve(logical, table, labels, self.round_t[gi] if labels is not None
+                            else None, num_tokens, self.identity, self.state,
                             dev_base=self.dev_base(layer), log=log)
         impl.stage(self.host_dev[layer], self.buf, log)
         return rows
@@ -167,6 +190,8 @@ class CudaRows:
                 self._apply(gi, plan)
                 break
             m.advance_round()
+            if self.labels[gi] is not None:
+                self.round_t[gi].fill_(m.policy.round)
             sm = self.logical_writes.get(names[0])
             if sm is not None:
                 slots, plan = m.assign(sm.reshape(-1).long())
