@@ -147,7 +147,7 @@ class World:
     one layer group of two layers; the device pool holds 2 blocks per layer, the rest of the
     live rows sit in the host pool."""
 
-    def __init__(self, fp8: bool):
+    def __init__(self, fp8: bool, staging: int = 6 * B):
         self.fp8 = fp8
         self.row_bytes = FP8_ROW if fp8 else 2 * D
         self.layers = ["l0", "l1"]
@@ -162,7 +162,7 @@ class World:
             self.logical_bytes[n][live] = _rows_bytes(live.numel(), fp8, seed=10 + i)
         self.rows = CudaRows([self.layers], row_bytes=self.row_bytes, head_size=D,
                              kv_dtype=torch.uint8 if fp8 else torch.bfloat16, block_size=B,
-                             device_slots=2 * B, host_slots=6 * B, staging_rows=4 * B,
+                             device_slots=2 * B, host_slots=6 * B, staging_rows=staging,
                              num_logical=self.num_blocks * B, max_tokens=64, device="cpu")
         # Written in order: the device pool keeps the last two blocks' rows, the others were
         # demoted to the host pool by assign.
@@ -606,6 +606,49 @@ def test_worker_refuses_stock_impls_and_tp_shard_mode():
     cfg, _, kv = _engine(shard)
     with pytest.raises(RuntimeError, match="TP shard mode"):
         CudaDsaWorker.build(shard, cfg, UlaSettings(), kv)
+
+
+def test_staging_setting_below_the_bound_is_refused(monkeypatch):
+    from ulacache_vllm.engine.config import UlaSettings
+    from ulacache_vllm.engine.dsa.cuda.worker import STAGING_ENV, CudaDsaWorker
+
+    lay = _layout()  # host pool 6B rows, 32 tokens x top-k 128: bound min(4096, 384) = 384
+    bound = 6 * B
+    for bad in (str(bound - 1), "0", "lots"):
+        monkeypatch.setenv(STAGING_ENV, bad)
+        cfg, _, kv = _engine(lay)
+        with pytest.raises(RuntimeError) as e:
+            CudaDsaWorker.build(lay, cfg, UlaSettings(), kv)
+        msg = str(e.value)
+        assert f"{STAGING_ENV}={bad}" in msg and f"bound of {bound} rows" in msg
+        assert f"Unset {STAGING_ENV}" in msg and f"at least {bound}" in msg
+    monkeypatch.setenv(STAGING_ENV, str(bound + 1))  # at or above the bound: taken, in blocks
+    cfg, _, kv = _engine(lay)
+    assert CudaDsaWorker.build(lay, cfg, UlaSettings(), kv).rows.S == bound + B
+    monkeypatch.delenv(STAGING_ENV)
+    cfg, _, kv = _engine(lay)
+    cfg.model_config.hf_text_config.index_topk = 0  # no top-k: no bound
+    with pytest.raises(RuntimeError, match="no index_topk"):
+        CudaDsaWorker.build(lay, cfg, UlaSettings(), kv)
+
+
+def test_staging_overflow_raises_and_never_returns_attention(kernels):
+    """Staging below min(T x K, host rows): the call is refused from its shapes; with that
+    check defeated the kernels overflow (the output differs from stock's: what the checks
+    prevent) and the next step raises from the overflow count."""
+    from ulacache_vllm.engine.dsa.cuda.runtime import StagingOverflowError
+
+    w = World(False, staging=B)
+    q, topk, md = w.batch(decode_only=True)
+    with pytest.raises(StagingOverflowError, match="ULACACHE_CUDA_STAGING_ROWS"):
+        _ula_out(w, "l0", q, topk, md)
+    w.rows.H = 0  # defeats the shape check (need = min(T x K, H) = 0) to reach the kernels
+    got = _ula_out(w, "l0", q, topk, md)
+    assert int(w.rows.logs["l0"].counts[0]) > B  # more distinct misses than staging rows
+    assert not torch.equal(got, _stock_out(w, "l0", q, topk, md))
+    with pytest.raises(StagingOverflowError, match="overflowed the staging"):
+        w.rows.begin_step()
+    assert w.rows.counters["overflow"] == int(w.rows.logs["l0"].counts[0]) - B
 
 
 def test_layout_builds_the_cuda_worker_for_cuda_caches(monkeypatch):

@@ -15,7 +15,10 @@ CPU op reads a pinned buffer before a DMA into it has landed.
 Inside the forward (`resolve_stage`, per sparse layer; fixed shapes, no host reads): the logical
 slots stock's converter produced -> rows of ``[staging | pool]`` through the group's committed
 table (`kernels.resolve_impl(...).resolve`), then the missed rows' bytes from the host pool into
-staging (`stage`). Each layer logs its misses in its own `MissLog`.
+staging (`stage`). Each layer logs its misses in its own `MissLog`. Staging never overflows
+silently: a call whose shape could have more distinct host misses (min(T x K, host rows)) than
+staging rows raises before any kernel runs, and an overflow the kernels counted anyway raises in
+the next `begin_step` (`StagingOverflowError`).
 
 Outside the forward (`begin_step`, from the connector's pre-forward hook, before any graph
 replay): frees; settle (each group's first layer's logged misses promoted through
@@ -55,6 +58,10 @@ def pin_exact(t: torch.Tensor) -> torch.Tensor:
     if int(getattr(err, "value", err)) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
     return t
+
+
+class StagingOverflowError(RuntimeError):
+    """A layer call could have, or had, more distinct host misses than staging rows."""
 
 
 def _pblru_labels(policy):
@@ -140,6 +147,14 @@ class CudaRows:
                       num_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logical slots ``[T, K]`` (-1 padded) -> int32 rows of ``kv_view(layer)``; host rows
         staged. Fixed-shape device work only."""
+        need = min(logical.numel(), self.H)  # the most distinct host misses this call can have
+        if need > self.S:  # shapes only (no device read): the same at capture and replay
+            raise StagingOverflowError(
+                f"ulacache (CUDA, experimental): layer {layer}'s call of {logical.shape[0]} "
+                f"tokens x {logical.shape[1]} selections can miss {need} distinct host rows, "
+                f"staging holds {self.S}: the overflow would read nothing (wrong attention). "
+                "Raise ULACACHE_CUDA_STAGING_ROWS (or unset it) or lower "
+                "max_num_batched_tokens.")
         impl = K.resolve_impl(logical)
         log = self.logs[layer]
         table = self.mappings[self.group_of[layer]].visible
@@ -171,12 +186,23 @@ class CudaRows:
     def begin_step(self, freed_addrs: torch.Tensor | None = None) -> None:
         """Frees, settle, round, writes (module doc); every copy a device op, in stream order."""
         self.counters["steps"] += 1
+        # Each group's leader logs the misses of the group's one top-k (the other layers'
+        # logs hold the same addresses); read before anything changes.
+        taken = [self.logs[names[0]].take() for names in self.groups]
+        overflow = sum(t[2] for t in taken)
+        if overflow:
+            self.counters["overflow"] += overflow
+            raise StagingOverflowError(
+                f"ulacache (CUDA, experimental): {overflow} host misses overflowed the staging "
+                f"area ({self.S} rows) in the last step and were read as nothing: its attention "
+                "was wrong, so the engine stops here. This is a bug (the staging bound and the "
+                "per-call shape check should prevent it); please report it. Meanwhile raise "
+                "ULACACHE_CUDA_STAGING_ROWS.")
         for gi, names in enumerate(self.groups):
             m = self.mappings[gi]
             if freed_addrs is not None and freed_addrs.numel():
                 m.free(freed_addrs.to(self.device))
-            addr, _, overflow, unmapped = self.logs[names[0]].take()
-            self.counters["overflow"] += overflow
+            addr, _, _, unmapped = taken[gi]
             self.counters["unmapped"] += unmapped
             self.counters["staged"] += int(addr.numel())
             addr = addr[m.loc.index_select(0, addr.clamp(min=0)) >= 0] if addr.numel() else addr

@@ -5,10 +5,14 @@ connector's pre-forward hook (outside any CUDA graph: in FULL decode mode vLLM c
 ``run_fullgraph``).
 
 Staging size: distinct host misses of one layer call are at most the host pool's rows and at
-most the step's tokens x top-k; ``ULACACHE_CUDA_STAGING_ROWS`` overrides. A call that
-overflows staging reads -1 for the rest (wrong attention): counted in ``overflow`` and logged
-as an error every step it happens. Not covered: TP shard mode, MTP draft layers, prefix-hit
-counting, lost-block reporting (copies are device ops; a failure raises).
+most the step's tokens x top-k (`staging_bound`); that bound, in whole blocks, is the default.
+``ULACACHE_CUDA_STAGING_ROWS`` may raise it; a value below the bound (or a model without
+``index_topk``, which leaves no bound) is refused at build. Staging overflow would read -1 for
+the rest of a call (wrong attention), so it is refused twice more: each layer call whose shape
+could overflow raises (`CudaRows.resolve_stage`, a shape check), and a nonzero overflow count
+in the kernels' miss logs raises at the next step (`CudaRows.begin_step`), ending the engine.
+Not covered: TP shard mode, MTP draft layers, prefix-hit counting, lost-block reporting
+(copies are device ops; a failure raises).
 """
 from __future__ import annotations
 
@@ -28,9 +32,35 @@ logger = init_logger("vllm.ulacache.dsa.cuda")
 STAGING_ENV = "ULACACHE_CUDA_STAGING_ROWS"
 
 
+def staging_bound(layout: "UlaLayout", max_tokens: int, topk: int) -> int:
+    """The most distinct host misses one layer call can have: min(tokens x top-k, host rows)."""
+    if topk <= 0:
+        raise RuntimeError(
+            "ulacache (CUDA, experimental): the model config has no index_topk, so the staging "
+            "area has no bound (tokens x top-k); only DSA models with index_topk are covered. "
+            "Use --kv-backend vllm.")
+    return max(1, min(max_tokens * topk, layout.host_slots))
+
+
 def staging_rows(layout: "UlaLayout", max_tokens: int, topk: int) -> int:
-    env = os.environ.get(STAGING_ENV)
-    n = int(env) if env else min(max(1, max_tokens * topk), max(1, layout.host_slots))
+    """Staging rows in whole blocks: the bound, or ``ULACACHE_CUDA_STAGING_ROWS`` if set and
+    not below it (below it a layer call could overflow staging: refused, naming the fix)."""
+    bound = staging_bound(layout, max_tokens, topk)
+    env = os.environ.get(STAGING_ENV, "").strip()
+    n = bound
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < bound:
+            raise RuntimeError(
+                f"ulacache (CUDA, experimental): {STAGING_ENV}={env} is below the staging "
+                f"bound of {bound} rows (min(max_num_batched_tokens {max_tokens} x index_topk "
+                f"{topk}, host pool rows {layout.host_slots})): a layer call could have more "
+                f"distinct host misses than staging rows, and the overflow would read nothing "
+                f"(wrong attention). Unset {STAGING_ENV} (the default is the bound) or set it "
+                f"to at least {bound}.")
     bs = layout.block_size
     return -(-n // bs) * bs
 
@@ -96,11 +126,7 @@ class CudaDsaWorker(LineWorker):
             bs = self.layout.block_size
             b = torch.tensor(step.freed, dtype=torch.int64, device=self.rows.device)
             freed = (b.unsqueeze(1) * bs + torch.arange(bs, device=b.device)).reshape(-1)
-        before = self.rows.counters["overflow"]
-        self.rows.begin_step(freed)
-        if self.rows.counters["overflow"] > before:
-            logger.error("ulacache (CUDA): staging overflowed (%d misses read as -1); raise %s",
-                         self.rows.counters["overflow"] - before, STAGING_ENV)
+        self.rows.begin_step(freed)  # raises on a staging overflow (module doc)
 
     def stats(self, rank: int):
         return None  # counters through the usage RPC only (`usage`)
