@@ -35,50 +35,56 @@ def experimental_cuda_enabled() -> bool:
     return os.environ.get(OPT_IN_ENV, "").strip() == "1"
 
 
-def check_cuda_config(vllm_config: Any) -> None:
-    """Refuses what the experimental CUDA glue does not cover, each error naming the fix, and
-    sets what it needs (MQA prefill through the sparse path). Runs in the front end after
-    VllmConfig is built (no device needed)."""
+def _refusals(vllm_config: Any) -> list[tuple[bool, str, str]]:
+    """``(refused, problem, fix)`` for each configuration the glue does not cover."""
     pc = vllm_config.parallel_config
-    who = "--kv-backend ulacache on CUDA (experimental)"
-    if (getattr(pc, "decode_context_parallel_size", 1) or 1) > 1:
-        raise KVBackendError(
-            f"{who} does not support decode context parallelism (DCP, "
-            f"--decode-context-parallel-size {pc.decode_context_parallel_size}): the staged "
-            f"rows are not sharded across DCP ranks. Drop --decode-context-parallel-size (use "
-            f"--tensor-parallel-size alone) or use --kv-backend vllm.")
-    if (getattr(pc, "prefill_context_parallel_size", 1) or 1) > 1:
-        raise KVBackendError(
-            f"{who} does not support prefill context parallelism (PCP, "
-            f"--prefill-context-parallel-size {pc.prefill_context_parallel_size}): PCP writes "
-            f"through do_kv_cache_update, which bypasses ulacache's write translation. Drop "
-            f"--prefill-context-parallel-size or use --kv-backend vllm.")
-    if (getattr(pc, "pipeline_parallel_size", 1) or 1) > 1:
-        raise KVBackendError(
-            f"{who} does not support pipeline parallelism (--pipeline-parallel-size "
-            f"{pc.pipeline_parallel_size}): the worker store's step contract is per whole "
-            f"model. Use --tensor-parallel-size instead, or --kv-backend vllm.")
+    dcp = getattr(pc, "decode_context_parallel_size", 1) or 1
+    pcp = getattr(pc, "prefill_context_parallel_size", 1) or 1
+    pp = getattr(pc, "pipeline_parallel_size", 1) or 1
     dtype = str(getattr(vllm_config.cache_config, "cache_dtype", "auto"))
-    if dtype.startswith("nvfp4"):
-        raise KVBackendError(
-            f"{who} does not support --kv-cache-dtype {dtype}: its 352-byte rows and SM100 "
-            f"page rules are not covered by the resolve/stage path. Use --kv-cache-dtype fp8 "
-            f"(fp8_ds_mla, 656 B rows) or auto (bf16), or --kv-backend vllm.")
     from vllm.config.compilation import CUDAGraphMode
 
-    cc = vllm_config.compilation_config
-    mode = getattr(cc, "cudagraph_mode", None)
-    if mode == CUDAGraphMode.FULL:
-        raise KVBackendError(
-            f"{who} does not support cudagraph_mode FULL: mixed and prefill batches would be "
-            f"captured whole, while their staged rows are bounded only for decode graphs. Use "
-            f"-cc.cudagraph_mode=FULL_AND_PIECEWISE (vLLM's default), PIECEWISE, "
-            f"FULL_DECODE_ONLY or --enforce-eager.")
-    ac = vllm_config.attention_config
-    if getattr(ac, "hisparse_config", None) is not None:
-        raise KVBackendError(
-            f"{who} cannot be combined with vLLM's HiSparse host cache (attention_config."
-            f"hisparse_config): both own the host tier. Drop the HiSparse setting.")
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    hisparse = getattr(vllm_config.attention_config, "hisparse_config", None)
+    return [
+        (dcp > 1,
+         f"does not support decode context parallelism (DCP, --decode-context-parallel-size "
+         f"{dcp}): the staged rows are not sharded across DCP ranks",
+         "Drop --decode-context-parallel-size (use --tensor-parallel-size alone) or use "
+         "--kv-backend vllm."),
+        (pcp > 1,
+         f"does not support prefill context parallelism (PCP, --prefill-context-parallel-size "
+         f"{pcp}): PCP writes through do_kv_cache_update, which bypasses ulacache's write "
+         "translation",
+         "Drop --prefill-context-parallel-size or use --kv-backend vllm."),
+        (pp > 1,
+         f"does not support pipeline parallelism (--pipeline-parallel-size {pp}): the worker "
+         "store's step contract is per whole model",
+         "Use --tensor-parallel-size instead, or --kv-backend vllm."),
+        (dtype.startswith("nvfp4"),
+         f"does not support --kv-cache-dtype {dtype}: its 352-byte rows and SM100 page rules "
+         "are not covered by the resolve/stage path",
+         "Use --kv-cache-dtype fp8 (fp8_ds_mla, 656 B rows) or auto (bf16), or --kv-backend "
+         "vllm."),
+        (mode == CUDAGraphMode.FULL,
+         "does not support cudagraph_mode FULL: mixed and prefill batches would be captured "
+         "whole, while their staged rows are bounded only for decode graphs",
+         "Use -cc.cudagraph_mode=FULL_AND_PIECEWISE (vLLM's default), PIECEWISE, "
+         "FULL_DECODE_ONLY or --enforce-eager."),
+        (hisparse is not None,
+         "cannot be combined with vLLM's HiSparse host cache (attention_config."
+         "hisparse_config): both own the host tier",
+         "Drop the HiSparse setting."),
+    ]
+
+
+def check_cuda_config(vllm_config: Any) -> None:
+    """Refuses what the experimental CUDA glue does not cover (`_refusals`, first match), each
+    error naming the problem and the fix, and sets what it needs (MQA prefill through the
+    sparse path). Runs in the front end after VllmConfig is built (no device needed)."""
+    for refused, problem, fix in _refusals(vllm_config):
+        if refused:
+            raise KVBackendError(f"--kv-backend ulacache on CUDA (experimental) {problem}. {fix}")
     # Dense-MHA prefill gathers whole contexts through the logical block table (the rows are
     # not there under ulacache): every token goes through the sparse MQA path instead.
-    ac.sparse_mla_force_mqa = True
+    vllm_config.attention_config.sparse_mla_force_mqa = True
