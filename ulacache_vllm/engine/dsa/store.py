@@ -48,7 +48,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -61,7 +60,7 @@ from ulacache_vllm.core.remote_buffer import RemoteRowBuffer
 from ..config import UlaSettings
 from ..faults import MoveFaults
 from .tp_shard import IndexerShard, ShardedRows, TokenShard, TPExchange
-from .counters import StoreCounters
+from .counters import StoreCounters, Timer
 from .trace import StepTrace
 from .translator import GroupTranslator
 
@@ -97,21 +96,6 @@ class _Group:
     serve: tuple | None = None
     width: int = 0
     fetched: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-class _Timer:
-    __slots__ = ("acc", "key", "t0")
-
-    def __init__(self, acc: dict, key: str):
-        self.acc, self.key = acc, key
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.acc[self.key] += time.perf_counter() - self.t0
-        return False
 
 
 class UlaWorkerStore(ShardedRows):
@@ -222,10 +206,10 @@ class UlaWorkerStore(ShardedRows):
         for n in names:
             self.group_of[n] = g
 
-    def timed(self, key: str) -> "_Timer":
+    def timed(self, key: str) -> Timer:
         """Adds the wall time of a ``with`` block to ``time_s[key]`` (a plain class: a
         generator context manager costs a few microseconds more, ~18 blocks a step)."""
-        return _Timer(self.time_s, key)
+        return Timer(self.time_s, key)
 
     # ------------------------------------------------------- outside the forward
     def begin_step(self, freed_blocks: list[int], slot_mappings: dict | None = None) -> None:

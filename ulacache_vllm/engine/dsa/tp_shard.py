@@ -16,32 +16,16 @@ mismatch instead of hanging.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from ulacache_vllm.core.placement import TokenShard
+from .counters import Timer
 
 
 class LockstepError(RuntimeError):
     pass
-
-
-class _Timer:
-    """Adds a ``with`` block's wall time to ``acc[key]`` (a plain class: cheap per use)."""
-    __slots__ = ("acc", "key", "t0")
-
-    def __init__(self, acc: dict, key: str):
-        self.acc, self.key = acc, key
-
-    def __enter__(self):
-        self.t0 = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        self.acc[self.key] += time.perf_counter() - self.t0
-        return False
 
 
 def _gather(out: torch.Tensor, t: torch.Tensor, group) -> None:
@@ -76,8 +60,8 @@ class TPExchange:
         self.time_s = {"x_candidates": 0.0, "x_rows": 0.0, "x_lookup": 0.0, "x_plan": 0.0,
                        "x_settle": 0.0}
 
-    def timed(self, key: str) -> _Timer:
-        return _Timer(self.time_s, key)
+    def timed(self, key: str) -> Timer:
+        return Timer(self.time_s, key)
 
     def _check(self, op: str, layer: int) -> None:
         if not self.lockstep_check:
@@ -100,7 +84,7 @@ class TPExchange:
         words = flat.view(torch.float32) if flat.dtype != torch.float32 else flat
         out = torch.empty(self.shard.world * words.numel(), dtype=torch.float32,
                           device=t.device)
-        with _Timer(self.time_s, "x_rows" if op == "rows" else "x_candidates"):
+        with Timer(self.time_s, "x_rows" if op == "rows" else "x_candidates"):
             if self.fast_gather is not None and words.numel() * 4 <= self.fast_max_bytes:
                 self.fast_gather(out, words)
             else:
