@@ -608,6 +608,66 @@ def test_worker_refuses_stock_impls_and_tp_shard_mode():
         CudaDsaWorker.build(shard, cfg, UlaSettings(), kv)
 
 
+def _no_device_read(*a, **k):
+    raise AssertionError("stats() read a tensor")
+
+
+def test_worker_stats_report_moves_and_pools_without_reading_the_device(kernels, monkeypatch):
+    """stats() on the CUDA glue: promotions / demotions / bytes moved and the pool gauges, on
+    the CPU path's schedule (moves or pool changes, else every STATS_EVERY steps), from host
+    counters begin_step keeps: no tensor is read in stats()."""
+    from ulacache_vllm.engine.config import UlaSettings
+    from ulacache_vllm.engine.dsa.cuda import runtime as rt
+    from ulacache_vllm.engine.dsa.cuda.worker import CudaDsaWorker
+    from ulacache_vllm.engine.dsa.worker import STATS_EVERY
+
+    monkeypatch.setitem(rt.ACTIVE, "rows", None)
+    lay = _layout()  # group 0 = l0 + l1, device pool 2 blocks per group
+    cfg, _, kv = _engine(lay)
+    cfg.scheduler_config.max_num_batched_tokens = B  # a block of writes per step
+    w = CudaDsaWorker.build(lay, cfg, UlaSettings(), kv)
+    rows = w.rows
+    step = types.SimpleNamespace(freed=[], hits=[])
+
+    def stats():
+        with monkeypatch.context() as mp:
+            for name in ("item", "tolist", "__int__", "__bool__", "__index__", "cpu"):
+                mp.setattr(torch.Tensor, name, _no_device_read)
+            return w.stats(0)
+
+    reports = []
+    for b in range(3):  # one new block a step: the third demotes a block
+        sm = torch.arange(b * B, (b + 1) * B)
+        for n in ("l0", "l1"):
+            rows.register_writes(n, sm)
+        w.begin_step(step, None)
+        reports.append(stats())
+    assert all(r is not None for r in reports)  # pools changed every step
+    d = reports[2].data
+    assert d["demotions"] == B and d["promotions"] == 0
+    assert d["bytes_moved"] == B * 2 * D * 2  # rows x 1152 B (bf16) x 2 layers of the group
+    red = reports[2].reduce()
+    assert red["device_used"] == 2 * B and red["host_used"] == B
+    assert red["device_capacity"] == 2 * 2 * B and red["host_capacity"] == 2 * 6 * B
+    assert stats() is None  # nothing moved, pools unchanged, not yet due
+    # A forward reads the demoted block (host misses staged), the next step promotes it.
+    logical = torch.full((1, K), -1, dtype=torch.int64)
+    logical[0, :B] = torch.arange(B)
+    rows.resolve_stage("l0", logical)
+    assert int(rows.logs["l0"].counts[0]) == B
+    w.begin_step(step, None)
+    d = stats().data
+    assert d["promotions"] == B and d["demotions"] == B  # the pool was full
+    assert d["bytes_moved"] == 2 * B * 2 * D * 2
+    rows.logs["l0"].counts.zero_()  # later forwards miss nothing
+    for i in range(STATS_EVERY):
+        w.begin_step(step, None)
+        r = stats()
+        assert (r is None) == (i < STATS_EVERY - 1)
+    assert r.data["promotions"] == r.data["demotions"] == r.data["bytes_moved"] == 0
+    assert r.reduce()["device_used"] == 2 * B
+
+
 def test_staging_setting_below_the_bound_is_refused(monkeypatch):
     from ulacache_vllm.engine.config import UlaSettings
     from ulacache_vllm.engine.dsa.cuda.worker import STAGING_ENV, CudaDsaWorker

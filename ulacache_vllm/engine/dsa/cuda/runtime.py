@@ -112,8 +112,10 @@ class CudaRows:
         self.write_rows = {n: torch.full((max_tokens,), self.S - 1, dtype=torch.int64, device=dev)
                            for n in self.layers}
         self.logical_writes: dict[str, torch.Tensor] = {}
-        self.counters = {"promotions": 0, "demotions": 0, "staged": 0, "overflow": 0,
-                         "unmapped": 0, "steps": 0}
+        # Cumulative, host ints updated in begin_step (no device read of their own).
+        self.counters = {"promotions": 0, "demotions": 0, "bytes_moved": 0,
+                         "fallback_chunks": 0, "staged": 0, "overflow": 0, "unmapped": 0,
+                         "steps": 0}
         self.write_errors = torch.zeros(1, dtype=torch.int64, device=dev)
         # PB-LRU round labels touched by the forward's resolve (device hits get the current
         # round from a device scalar, refreshed in begin_step): eviction sees reads as the
@@ -212,6 +214,7 @@ class CudaRows:
                     _, plan = m.ensure_resident(addr[:n])
                 except CapacityError:
                     n //= 2
+                    self.counters["fallback_chunks"] += 1
                     continue
                 self._apply(gi, plan)
                 break
@@ -255,6 +258,8 @@ class CudaRows:
                 s, d = tier_rows(name, src_tier, need), tier_rows(name, dst_tier, need)
                 # One gather and one scatter on the device (host rows through their UVA view).
                 d.index_copy_(0, dst.to(self.device), s.index_select(0, src.to(self.device)))
+            if src_tier != dst_tier and STAGING not in (src_tier, dst_tier):
+                self.counters["bytes_moved"] += int(src.numel()) * self.row_bytes * len(names)
 
         self.mappings[gi].apply(plan, copy)
         self.counters["promotions"] += int(plan.promote_src_host.numel())

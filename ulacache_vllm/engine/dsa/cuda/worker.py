@@ -11,6 +11,10 @@ most the step's tokens x top-k (`staging_bound`); that bound, in whole blocks, i
 the rest of a call (wrong attention), so it is refused twice more: each layer call whose shape
 could overflow raises (`CudaRows.resolve_stage`, a shape check), and a nonzero overflow count
 in the kernels' miss logs raises at the next step (`CudaRows.begin_step`), ending the engine.
+Connector stats (`stats`, vLLM's ``get_kv_connector_stats`` after the forward): promotions,
+demotions, bytes moved, fallback chunks and the pool gauges, as on the CPU path and on the same
+schedule, from host counters `CudaRows.begin_step` already keeps (no device read of their own).
+Not reported: lookups and device hits (the resolve counts host misses only, so no hit rate).
 Not covered: TP shard mode, MTP draft layers, prefix-hit counting, lost-block reporting
 (copies are device ops; a failure raises).
 """
@@ -23,6 +27,8 @@ import torch
 from vllm.logger import init_logger
 
 from ...line import LineWorker
+from ...metrics import UlaStats, per_rank_gauges
+from ..worker import STATS_EVERY
 from .runtime import CudaRows
 
 if TYPE_CHECKING:
@@ -30,6 +36,7 @@ if TYPE_CHECKING:
 
 logger = init_logger("vllm.ulacache.dsa.cuda")
 STAGING_ENV = "ULACACHE_CUDA_STAGING_ROWS"
+STAT_COUNTERS = ("promotions", "demotions", "bytes_moved", "fallback_chunks")
 
 
 def staging_bound(layout: "UlaLayout", max_tokens: int, topk: int) -> int:
@@ -78,6 +85,8 @@ class CudaDsaWorker(LineWorker):
     def __init__(self, rows: CudaRows, layout: "UlaLayout"):
         self.rows, self.layout = rows, layout
         self.step = 0
+        self._reported = {k: 0 for k in STAT_COUNTERS}  # counters as of the last report
+        self._last_report, self._last_pools = 0, None
 
     @classmethod
     def build(cls, layout: "UlaLayout", vllm_config, settings, kv_caches: dict):
@@ -129,7 +138,18 @@ class CudaDsaWorker(LineWorker):
         self.rows.begin_step(freed)  # raises on a staging overflow (module doc)
 
     def stats(self, rank: int):
-        return None  # counters through the usage RPC only (`usage`)
+        # As the CPU path (dsa/worker.py): report when rows moved or pools changed, otherwise
+        # every STATS_EVERY steps; counters as deltas since the last report, pools per rank.
+        c = self.rows.counters
+        delta = {k: c[k] - self._reported[k] for k in STAT_COUNTERS}
+        pools = self.usage_pools()
+        moved = delta["promotions"] or delta["demotions"] or pools != self._last_pools
+        if not moved and self.step - self._last_report < STATS_EVERY:
+            return None
+        self._reported = {k: c[k] for k in STAT_COUNTERS}
+        self._last_report, self._last_pools = self.step, pools
+        delta.update(per_rank_gauges(pools, rank))
+        return UlaStats(data=delta)
 
     def usage_pools(self) -> dict:
         n = len(self.rows.mappings)
