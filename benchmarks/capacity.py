@@ -12,6 +12,13 @@ time at equal batch size, and batch-1 TPOT with everything on the device (ulacac
 path) against stock. Prints a table, writes JSON + a plot (``capacity[_quick].{json,png}``)
 into ``--out`` (a directory, default benchmarks/results/).
 
+``--tp P --spec mtp[:K]``: speculative decoding with the same settings on every
+configuration (default: the tiny DeepSeek-V3.2 built with one MTP layer, drafting K=2 tokens):
+stock TP=P against ulacache TP=P shard and replicate at equal per-rank memory; reports peak
+running requests, output tokens/s, drafts proposed/accepted during the load (vLLM's
+``vllm:spec_decode_*`` counters) and whether the load's greedy outputs equal stock's, token
+for token (``capacity_tp{P}_spec_mtp[_quick].{json,png}``).
+
     python benchmarks/capacity.py --quick
     python benchmarks/capacity.py --model /path/to/dsa-model --device-bytes 8589934592 \
         --host-bytes 34359738368
@@ -42,6 +49,8 @@ def _worker(cfg: dict) -> dict:
             kw["ula_tp_mode"] = cfg["tp_mode"]
     if cfg.get("tp", 1) > 1:
         kw["tensor_parallel_size"] = cfg["tp"]
+    if cfg.get("spec"):
+        kw["speculative_config"] = cfg["spec"]
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0,
               max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
               disable_log_stats=False, **kw)
@@ -57,10 +66,19 @@ def _worker(cfg: dict) -> dict:
             j += 1
         return " ".join(text)
 
+    def spec_counts():  # vLLM's speculative-decoding counters (log stats on)
+        return {m.name[len("vllm:spec_decode_"):]: m.value for m in llm.get_metrics()
+                if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                              "vllm:spec_decode_num_accepted_tokens")}
+
     def run(prompts, max_tokens):
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        ids = {}
         for i, p in enumerate(prompts):
-            eng.add_request(f"r{time.monotonic_ns()}-{i}", p, sp)
+            rid = f"r{time.monotonic_ns()}-{i}"
+            ids[rid] = i
+            eng.add_request(rid, p, sp)
+        tokens: list = [None] * len(prompts)
         peak, step_times, batch_sizes, decode_only = 0, [], [], []
         t0 = time.perf_counter()
         while eng.has_unfinished_requests():
@@ -71,9 +89,12 @@ def _worker(cfg: dict) -> dict:
             peak = max(peak, len(outs))
             # A step that produced some request's first token ran a prefill.
             decode_only.append(all(len(o.outputs[0].token_ids) > 1 for o in outs) and bool(outs))
+            for o in outs:
+                if o.finished:
+                    tokens[ids[o.request_id]] = list(o.outputs[0].token_ids)
         wall = time.perf_counter() - t0
         return {"peak_running": peak, "wall_s": wall, "step_times": step_times,
-                "batch_sizes": batch_sizes, "decode_only": decode_only}
+                "batch_sizes": batch_sizes, "decode_only": decode_only, "tokens": tokens}
 
     res = {"name": cfg["name"]}
     if cfg.get("tpot_only"):  # interleaved batch-1 TPOT rounds (--tp): one run per engine
@@ -82,7 +103,13 @@ def _worker(cfg: dict) -> dict:
             [t for t, d in zip(one["step_times"], one["decode_only"]) if d])
         return res
     prompts = [prompt(i, cfg["prompt_tokens"]) for i in range(cfg["num_requests"])]
+    s0 = spec_counts() if cfg.get("spec") else None
     load = run(prompts, cfg["output_tokens"])
+    if s0 is not None:  # drafts proposed and accepted during the load alone
+        sd = {k: v - s0.get(k, 0) for k, v in spec_counts().items()}
+        sd["acceptance"] = sd.get("num_accepted_tokens", 0) / max(1, sd.get("num_draft_tokens", 0))
+        res["spec_decode"] = sd
+        res["load_tokens"] = load["tokens"]
     if cfg["backend"] == "ulacache":  # before the equal-batch and TPOT runs add their own
         res["load_tiers"] = llm.collective_rpc("ulacache_usage")[0]["totals"]
     res["peak_running"] = load["peak_running"]
@@ -138,13 +165,29 @@ def _spawn(cfg: dict) -> dict:
     raise RuntimeError(f"{cfg['name']} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}")
 
 
-def _build_default_model() -> str:
+def _build_default_model(mtp: bool = False) -> str:
+    """The tiny DeepSeek-V3.2; ``mtp``: built with one MTP layer (its own draft model)."""
     from ulacache_vllm.models import build_model
 
-    path = Path(__file__).resolve().parents[1] / "models_cache" / "bench-deepseek-v32"
+    path = Path(__file__).resolve().parents[1] / "models_cache" / (
+        "bench-deepseek-v32" + ("-mtp" if mtp else ""))
     if not (path / "config.json").exists():
-        build_model("deepseek_v32", path)
+        build_model("deepseek_v32", path,
+                    overrides={"num_nextn_predict_layers": 1} if mtp else None)
     return str(path)
+
+
+def _spec_config(arg: str | None) -> dict | None:
+    """``--spec METHOD[:K]`` as vLLM's speculative_config (as hybrid_capacity.py's)."""
+    if not arg:
+        return None
+    method, _, k = arg.partition(":")
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": int(k or 2)}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": int(k or 3),
+                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    raise SystemExit(f"--spec {arg}: method must be mtp or ngram")
 
 
 def main() -> None:
@@ -166,6 +209,10 @@ def main() -> None:
                     "ulacache TP=P replicate and shard at equal per-rank memory (D and H per rank)")
     ap.add_argument("--tpot-rounds", type=int, default=2,
                     help="--tp: extra interleaved batch-1 TPOT runs per config (medians reported)")
+    ap.add_argument("--spec", default=None, metavar="METHOD[:K]",
+                    help="--tp: speculative decoding on every config, mtp[:K] (default model: "
+                    "the tiny V3.2 with one MTP layer; K default 2) or ngram[:K]; configs "
+                    "stock, ula replicate and shard (minimal host pools), no TPOT rounds")
     ap.add_argument("--out", default=str(RESULTS), help="directory for the JSON and the plot")
     args = ap.parse_args()
     if args.worker:
@@ -173,7 +220,9 @@ def main() -> None:
         print(MARK + json.dumps(res), flush=True)
         return
     if args.tp > 1:
-        return main_tp(args)
+        return main_tp_spec(args) if args.spec else main_tp(args)
+    if args.spec:
+        ap.error("--spec needs --tp P > 1")
     if args.quick:
         args.num_requests, args.output_tokens, args.tpot_tokens = 12, 16, 32
     model = args.model or _build_default_model()
@@ -237,7 +286,7 @@ def main() -> None:
 def _min_host_bytes(model: str, max_model_len: int, shards: int, dtype: str) -> int:
     """The smallest host pool ulacache accepts: one request's share per rank (+ a block)."""
     cfg = json.loads((Path(model) / "config.json").read_text())
-    layers = cfg["num_hidden_layers"]
+    layers = cfg["num_hidden_layers"] + int(cfg.get("num_nextn_predict_layers") or 0)
     row = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     size = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     return (-(-max_model_len // shards) + 128) * layers * row * size
@@ -327,6 +376,83 @@ def main_tp(args) -> None:
         {"args": vars(args), "host": host, "results": results, "summary": summary}, indent=2,
         default=str))
     _plot_tp(results, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+def main_tp_spec(args) -> None:
+    """``--tp P --spec``: stock TP=P, ulacache TP=P replicate and shard (minimal host pools, D
+    per rank), all with the same speculative_config; load figures, drafts and token identity."""
+    P, spec = args.tp, _spec_config(args.spec)
+    if args.quick:
+        args.num_requests, args.output_tokens, args.tpot_tokens = 24, 16, 32
+    model = args.model or _build_default_model(mtp=spec["method"] == "mtp")
+    base = dict(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
+                max_num_seqs=max(args.num_requests, 1), num_requests=args.num_requests,
+                prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                tpot_tokens=args.tpot_tokens, timeout=2400, tp=P, spec=spec,
+                eq_batch=args.eq_batch, eq_prompt_tokens=args.eq_prompt_tokens)
+    D = args.device_bytes
+    h_rep = _min_host_bytes(model, args.max_model_len, 1, args.dtype)
+    h_shard = _min_host_bytes(model, args.max_model_len, P, args.dtype)
+    t = f"tp{P}"
+    configs = [
+        dict(base, name=f"stock-{t}", backend="vllm", kv_bytes=D, host_bytes=0),
+        dict(base, name=f"ula-{t}-replicate", backend="ulacache", kv_bytes=D,
+             host_bytes=h_rep, tp_mode="replicate"),
+        dict(base, name=f"ula-{t}-shard", backend="ulacache", kv_bytes=D,
+             host_bytes=h_shard, tp_mode="shard"),
+    ]
+    results, failed = {}, {}
+    for c in configs:
+        print(f"running {c['name']} ...", flush=True)
+        t0 = time.perf_counter()
+        try:
+            results[c["name"]] = _spawn(c)
+            results[c["name"]]["process_s"] = time.perf_counter() - t0
+        except Exception as e:  # noqa: BLE001 - keep the other configs' figures
+            failed[c["name"]] = str(e)[-6000:]
+            print(f"  FAILED: {failed[c['name']]}", flush=True)
+    stock = results.get(f"stock-{t}")
+    for name, r in results.items():
+        if stock is not None and name != stock["name"]:
+            r["load_tokens_identical_to_stock"] = r["load_tokens"] == stock["load_tokens"]
+    from _host import cpu_host
+
+    host = cpu_host()
+    print(f"\nhost: {host['cpu']} ({host['cores']} cores), vLLM CPU MLA path: {host['mla_path']}")
+    print(f"workload: {args.num_requests} requests x {args.prompt_tokens} prompt tokens, "
+          f"{args.output_tokens} output tokens; TP={P}; per rank D={D} B device (minimal host "
+          f"pools: replicate {h_rep} B, shard {h_shard} B); speculative_config {json.dumps(spec)}\n")
+    print(f"{'config':<20} {'tokens':>7} {'peak running':>12} {'out tok/s':>9} {'drafts':>7} "
+          f"{'draft tok':>9} {'accepted':>8} {'rate':>6} {'TPOT b=1':>8}  same tokens as stock")
+    for name, r in results.items():
+        sd = r.get("spec_decode") or {}
+        print(f"{name:<20} {r['token_capacity']:>7} {r['peak_running']:>12} "
+              f"{r['output_tok_s']:>9.1f} {sd.get('num_drafts', 0):>7.0f} "
+              f"{sd.get('num_draft_tokens', 0):>9.0f} {sd.get('num_accepted_tokens', 0):>8.0f} "
+              f"{sd.get('acceptance', 0):>6.3f} {r['tpot_ms']:>8.2f}  "
+              f"{r.get('load_tokens_identical_to_stock', '-')}")
+    for name, r in results.items():
+        if "remote" in r:
+            print(f"  {name}: remote rows fetched / buffer hits per rank: "
+                  + ", ".join(f"{x['remote_rows_fetched']}/{x['remote_hits']}" for x in r["remote"]))
+    summary = {}
+    if stock is not None:
+        for name, r in results.items():
+            if name != stock["name"]:
+                summary[name] = {
+                    "tokens_vs_stock": r["token_capacity"] / stock["token_capacity"],
+                    "peak_running_vs_stock": r["peak_running"] / max(1, stock["peak_running"]),
+                    "output_tok_s_vs_stock": r["output_tok_s"] / stock["output_tok_s"],
+                    "load_tokens_identical_to_stock": r["load_tokens_identical_to_stock"]}
+    out = Path(args.out) / (f"capacity_tp{P}_spec_{spec['method']}"
+                            + ("_quick" if args.quick else ""))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(
+        {"args": vars(args), "host": host, "loadavg_end": os.getloadavg(), "spec": spec,
+         "results": results, "failed": failed, "summary": summary}, indent=2, default=str))
+    if results:
+        _plot_tp(results, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
 
 
