@@ -17,7 +17,8 @@ import re
 import pytest
 import requests
 
-from test_serve import _moved, _pools_back_to_zero, concurrent_greedy, serve_many
+from test_serve import (_assert_texts_equal, _both, _metric, _moved, _pools_back_to_zero,
+                        concurrent_greedy, serve_many)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -63,3 +64,61 @@ def test_dp_ranks_equal_stock_and_move_their_own_tiers(dp_servers):
         assert set(per) == {"0", "1"} and all(v > 0 for v in per.values()), (k, moved)
     assert _moved(before, text)["demotions"] == sum(moved["demotions"].values())
     assert log.read_text().count("ulacache KV:") >= 2  # one startup summary per rank
+
+
+@pytest.fixture(scope="module")
+def dp_prefix_server(tiny_model, tmp_path_factory):
+    """A ulacache DP=2 server with vLLM's prefix caching on (the reference path's flags turn
+    it off; the later flag wins): base URL, model, log."""
+    model = tiny_model("deepseek_v32", first_k_dense_replace=2)
+    log = tmp_path_factory.mktemp("serve_dp_prefix") / "serve.log"
+    with serve_many([dict(model=model, log=log,
+                          extra_args=["--data-parallel-size", "2", "--enable-prefix-caching"])],
+                    timeout=400) as (base,):
+        yield base, str(model), log
+
+
+def _shared_prefix_waves() -> list[list[str]]:
+    """Three waves of eight: two long shared prefixes with four tails each, then eight long
+    unrelated prompts that outgrow a rank's device pool (the idle cached prefix blocks are
+    demoted first), then the two prefixes again with other tails: their cached blocks are
+    hit on whichever rank holds them, with rows in either tier."""
+    words = "one two three four five six seven eight nine ten eleven twelve".split()
+    prefixes = [" ".join(words[(p + j * (p + 5)) % len(words)] for j in range(200 + 50 * p))
+                for p in range(2)]
+
+    def tails(w):
+        return [prefixes[p] + " " + " ".join(words[(w * 7 + t * 3 + j) % len(words)]
+                                             for j in range(6 + t))
+                for p in range(2) for t in range(4)]
+    flush = [f"{words[i]} {words[(i + 4) % 12]} " +
+             " ".join(words[(i * 5 + j * (i + 7)) % len(words)] for j in range(280))
+             for i in range(8)]
+    return [tails(0), flush, tails(1)]
+
+
+def test_dp_prefix_caching_hits_across_tiers_and_equals_stock(dp_prefix_server, dp_servers):
+    """DP=2 with prefix caching on: every text of the three waves is the stock server's (its
+    prefix caching off: the texts must not depend on where the KV came from), the ranks'
+    prefix caches hit (vLLM's hit counter and the worker's count of
+    taken-over entries), some hit entries sat in a host pool, and rows were demoted and
+    promoted while the cached blocks were held."""
+    base, model, log = dp_prefix_server
+    _, stock = dp_servers
+    before = requests.get(base + "/metrics", timeout=10).text
+    for wave in _shared_prefix_waves():
+        outs, ref = _both(base, stock, model, wave, 24)
+        _assert_texts_equal(outs, ref)
+    after = requests.get(base + "/metrics", timeout=10).text
+    grew = {k: _metric(after, k) - _metric(before, k) for k in (
+        "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total",
+        "vllm:ulacache_prefix_hit_entries_total", "vllm:ulacache_prefix_hit_entries_host_total",
+        "vllm:ulacache_demotions_total", "vllm:ulacache_promotions_total")}
+    assert grew["vllm:prefix_cache_hits_total"] > 0, grew
+    # Hit entries the workers took over, some of whose rows had been demoted to a host pool.
+    assert grew["vllm:ulacache_prefix_hit_entries_total"] > \
+        grew["vllm:ulacache_prefix_hit_entries_host_total"] > 0, grew
+    assert grew["vllm:ulacache_demotions_total"] > 0 and grew["vllm:ulacache_promotions_total"] > 0, grew
+    # Each rank keeps its own cache and its own pools: both served queries.
+    queries = _per_engine(after, "vllm:prefix_cache_queries_total")
+    assert set(queries) == {"0", "1"} and all(v > 0 for v in queries.values()), queries
