@@ -113,6 +113,8 @@ def kernels(monkeypatch):
     monkeypatch.setattr(fms, "flash_mla_sparse_fwd", sparse_fwd_ref)
     monkeypatch.setattr(fms, "flash_mla_with_kvcache", fp8_kvcache_ref)
     monkeypatch.setattr(fms, "triton_convert_req_index_to_global_index", convert_ref)
+    # FlashMLA's tile-scheduler plan object (fp8 chunks get their own; the reference ignores it).
+    monkeypatch.setattr(fms, "get_mla_metadata", lambda *a, **k: (types.SimpleNamespace(), None))
 
 
 # ------------------------------------------------------------------ fixtures
@@ -252,6 +254,68 @@ def test_attention_equals_stock_with_host_rows_staged(kernels, fp8, decode_only)
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("decode_only,staging", [(True, 2 * B), (False, 2 * B), (False, 4 * B)],
+                         ids=["decode-S=K", "mixed-S=K", "mixed-S=2K"])
+def test_call_larger_than_staging_runs_in_token_chunks_equal_to_stock(kernels, fp8, decode_only,
+                                                                       staging):
+    """Staging below min(T x K, host rows) (decode-sized staging, a larger call): the call runs
+    in chunks of S // K tokens, each staged then attended; outputs bit-equal to stock's, every
+    chunk's distinct misses <= S, and the settle sees every chunk's misses (carried)."""
+    w = World(fp8, staging=staging)
+    rows = w.rows
+    q, topk, md = w.batch(decode_only)
+    T = q.shape[0]
+    per_chunk = staging // K
+    want = -(-T // per_chunk)
+    assert want > 1 and min(T * K, rows.H) > rows.S  # the old design would refuse this call
+    seen = {n: [] for n in w.layers}
+    orig = rows.resolve_stage
+
+    def spy(layer, logical, ntok=None, **kw):
+        out = orig(layer, logical, ntok, **kw)
+        seen[layer].append((logical.shape[0], int(rows.logs[layer].counts[0]), kw["carry"]))
+        return out
+
+    rows.resolve_stage = spy
+    for layer in w.layers:
+        got = _ula_out(w, layer, q, topk, md)
+        assert torch.equal(got, _stock_out(w, layer, q, topk, md))
+    for layer in w.layers:
+        calls = seen[layer]
+        assert [c[0] for c in calls] == [min(per_chunk, T - i * per_chunk) for i in range(want)]
+        assert [c[2] for c in calls] == [False] + [True] * (want - 1)
+        assert all(0 <= c[1] <= rows.S for c in calls)
+        assert sum(c[1] for c in calls) > 0  # host rows were staged
+    assert rows.counters["chunked_calls"] == len(w.layers)
+    assert rows.counters["attention_chunks"] == want * len(w.layers) > len(w.layers)
+    if fp8:  # one plan per chunk length, shared by the layers (as stock's per step)
+        lens = {c[0] for c in seen["l0"]}
+        assert set(md._ula_fp8_chunk_meta) == lens - {T}
+    # The settle gets every chunk's misses of the group's leader (l0), not just the last.
+    rows.begin_step()
+    assert rows.counters["staged"] == sum(c[1] for c in seen["l0"])
+    assert rows.counters["unsettled"] == rows.counters["overflow"] == 0
+    assert rows.counters["promotions"] > 0
+    rows.resolve_stage = orig
+    for layer in w.layers:  # after the settle moved rows: still equal
+        assert torch.equal(_ula_out(w, layer, q, topk, md), _stock_out(w, layer, q, topk, md))
+
+
+def test_padded_rows_of_a_chunked_call_read_nothing(kernels):
+    """Graph padding (tokens past query_start_loc[-1]) falls in a later chunk: its count is
+    shifted per chunk on the device; those rows read nothing, the others equal stock."""
+    w = World(False, staging=2 * B)  # one token per chunk
+    q, topk, md = w.batch(decode_only=False)
+    md.query_start_loc = md.query_start_loc.clone()
+    md.query_start_loc[-1] -= 2  # the last two tokens are padded rows
+    got = _ula_out(w, "l0", q, topk, md)
+    ref = _stock_out(w, "l0", q, topk, md)
+    assert w.rows.counters["attention_chunks"] == q.shape[0]
+    assert torch.equal(got[:-2], ref[:-2])
+    assert torch.count_nonzero(got[-2:]) == 0
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8_ds_mla"])
 def test_settle_promotes_the_staged_rows_and_parity_holds(kernels, fp8):
     w = World(fp8)
     q, topk, md = w.batch(decode_only=True, seed=3)
@@ -278,7 +342,7 @@ def test_without_resolve_the_output_differs(kernels):
     kv = w.rows.kv_view("l0")
     n = kv.shape[0] * kv.shape[1]
     # Resolve skipped: logical slots read as rows (wrapped into the view's range).
-    w.rows.resolve_stage = lambda layer, lg, ntok=None: torch.where(lg >= 0, lg % n, lg)
+    w.rows.resolve_stage = lambda layer, lg, ntok=None, **kw: torch.where(lg >= 0, lg % n, lg)
     bad, _ = impl.forward_mqa(q, kv, md, None)
     assert not torch.equal(bad, ref)
 

@@ -15,6 +15,13 @@ subclass notes). Every path that reads the KV cache goes through one conversion:
 3. stock's kernels (``_bf16_flash_mla_kernel`` / ``_fp8_flash_mla_kernel``) attend over those
    rows (the layer's KV cache *is* the `CudaRows.kv_view`).
 
+A layer call larger than staging covers (prefill, mixed; `CudaRows.chunks`, from shapes only)
+runs steps 2-3 per query-token chunk, each chunk's rows staged and attended before the next
+chunk re-uses staging; outputs are concatenated (exact: a sparse query token reads only its own
+selections). fp8 chunks get FlashMLA tile-scheduler metadata of their own per chunk length
+(stock plans one per step and shape, shared by the layers; chunks of every layer have the same
+lengths, so the plans are shared the same way).
+
 The builder forces ``fp8_use_mixed_batch`` (fp8: one kernel for every token; the separate
 prefill path would upconvert whole contexts through the logical block table), and dense-MHA
 prefill is off (``sparse_mla_force_mqa``, set by `check_cuda_config`). Writes do not pass here:
@@ -24,6 +31,8 @@ replaces with `CudaRows`' static buffer of translated rows.
 DCP is refused (by config and here, in case the config check was bypassed).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from vllm.v1.attention.backends.mla import flashmla_sparse as _fms
@@ -36,6 +45,20 @@ from vllm.v1.attention.backends.mla.flashmla_sparse import (
 from .runtime import CudaRows
 
 FP8_PAGE = 64  # rows per page of the fp8 decode kernel
+
+
+def _chunk_meta(attn_metadata, base, n: int):
+    """fp8 kernel metadata for chunks of ``n`` tokens: stock's, with a tile-scheduler plan of
+    its own (FlashMLA plans on first use from the query shape), cached on the step's metadata
+    so the layers share it as they share stock's."""
+    cache = getattr(attn_metadata, "_ula_fp8_chunk_meta", None)
+    if cache is None:
+        cache = {}
+        setattr(attn_metadata, "_ula_fp8_chunk_meta", cache)
+    if n not in cache:
+        sched, _ = _fms.get_mla_metadata()
+        cache[n] = dataclasses.replace(base, scheduler_metadata=sched)
+    return cache[n]
 
 
 class UlaFlashMLASparseMetadataBuilder(FlashMLASparseMetadataBuilder):
@@ -74,10 +97,10 @@ class UlaFlashMLASparseImpl(FlashMLASparseImpl):
                                "--decode-context-parallel-size")
         return rows
 
-    def _resolved(self, kv_cache: torch.Tensor, topk_indices: torch.Tensor, attn_metadata,
-                  with_counts: bool):
-        """Stock's logical conversion, then resolve + stage: int32 rows ``[T, K]`` of
-        ``kv_cache``'s flat rows (and stock's valid counts when asked)."""
+    def _logical(self, kv_cache: torch.Tensor, topk_indices: torch.Tensor, attn_metadata,
+                 with_counts: bool):
+        """Stock's logical conversion of the whole call: (rows, logical slots ``[T, K]``,
+        stock's valid counts when asked)."""
         rows = self._rows(kv_cache)
         req_id = attn_metadata.req_id_per_token[: topk_indices.shape[0]]
         conv = _fms.triton_convert_req_index_to_global_index(
@@ -85,27 +108,51 @@ class UlaFlashMLASparseImpl(FlashMLASparseImpl):
             BLOCK_SIZE=attn_metadata.block_size, BLOCK_STRIDE_ROWS=None,
             NUM_TOPK_TOKENS=topk_indices.shape[1], return_valid_counts=with_counts)
         logical, counts = conv if with_counts else (conv, None)
+        return rows, logical, counts
+
+    def _chunks(self, rows: CudaRows, logical: torch.Tensor, attn_metadata):
+        """Per token chunk (`CudaRows.chunks`): its slice and its int32 rows ``[t, K]`` of the
+        KV view (resolved and staged just before the chunk's attention)."""
         qsl = getattr(attn_metadata, "query_start_loc", None)
         ntok = qsl[-1:] if qsl is not None else None  # padded batch rows -> -1, no log
-        phys = rows.resolve_stage(self.layer_name, logical, ntok)
-        return phys, counts
+        for i, (t0, t1) in enumerate(rows.chunks(*logical.shape)):
+            n = ntok if ntok is None or t0 == 0 else (ntok - t0).clamp(min=0)
+            sl = slice(t0, t1)
+            yield sl, rows.resolve_stage(self.layer_name, logical[sl], n, carry=i > 0)
+
+    @staticmethod
+    def _cat(parts: list):
+        if len(parts) == 1:
+            return parts[0]
+        outs, lses = zip(*parts)
+        lse = None if any(x is None for x in lses) else torch.cat(lses, 0)
+        return torch.cat(outs, 0), lse
 
     # ----------------------------------------------------------------- paths
     def _forward_bf16_kv(self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata,
                          actual_num_heads):
-        phys, counts = self._resolved(kv_c_and_k_pe_cache, topk_indices, attn_metadata, True)
+        rows, logical, counts = self._logical(kv_c_and_k_pe_cache, topk_indices, attn_metadata,
+                                              True)
         kv_rows = kv_c_and_k_pe_cache.reshape(-1, kv_c_and_k_pe_cache.shape[-1])
-        return self._bf16_flash_mla_kernel(q, kv_rows, phys, counts, actual_num_heads)
+        return self._cat([self._bf16_flash_mla_kernel(q[sl], kv_rows, phys, counts[sl],
+                                                      actual_num_heads)
+                          for sl, phys in self._chunks(rows, logical, attn_metadata)])
 
     def _forward_fp8_kv_mixed_batch(self, q, kv_c_and_k_pe_cache, topk_indices, attn_metadata,
                                     kernel_metadata=None):
         fp8_metadata = kernel_metadata or attn_metadata.fp8_extra_metadata
-        phys, _ = self._resolved(kv_c_and_k_pe_cache, topk_indices, attn_metadata, False)
+        rows, logical, _ = self._logical(kv_c_and_k_pe_cache, topk_indices, attn_metadata, False)
         pages = kv_c_and_k_pe_cache.reshape(-1, FP8_PAGE, kv_c_and_k_pe_cache.shape[-1])
-        out, _lse = self._fp8_flash_mla_kernel(
-            q=q.unsqueeze(0), kv_c_and_k_pe_cache=pages, topk_indices=phys.unsqueeze(0),
-            kernel_metadata=fp8_metadata)
-        return out.squeeze(0), None
+        outs = []
+        for sl, phys in self._chunks(rows, logical, attn_metadata):
+            n = sl.stop - sl.start
+            meta = fp8_metadata if n == q.shape[0] else _chunk_meta(attn_metadata,
+                                                                   fp8_metadata, n)
+            out, _lse = self._fp8_flash_mla_kernel(
+                q=q[sl].unsqueeze(0), kv_c_and_k_pe_cache=pages,
+                topk_indices=phys.unsqueeze(0), kernel_metadata=meta)
+            outs.append(out.squeeze(0))
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, 0)), None
 
     def _forward_fp8_kv_separate_prefill_decode(self, *args, **kwargs):
         raise RuntimeError(

@@ -20,6 +20,15 @@ silently: a call whose shape could have more distinct host misses (min(T x K, ho
 staging rows raises before any kernel runs, and an overflow the kernels counted anyway raises in
 the next `begin_step` (`StagingOverflowError`).
 
+Token chunks: staging is sized for a decode step (worker doc), so a larger layer call (prefill,
+mixed) is split by the backend into query-token chunks of `chunk_tokens` tokens (chunk tokens x
+K <= S, so no chunk can overflow), each resolved, staged and attended before the next one
+re-uses staging. The split comes from shapes only (T, K, S, H). Sparse attention of a query
+token reads only its own selections, so the split is exact. A chunk's resolve resets its log:
+the group leader's earlier chunks' misses, overflow and unmapped counts are carried into a
+per-group accumulator (``carry=True``, device ops, at most ``ACC_ROWS`` addresses; further
+ones are not promoted, counted in ``unsettled``), which `begin_step` settles with the log.
+
 Outside the forward (`begin_step`, from the connector's pre-forward hook, before any graph
 replay): frees; settle (each group's first layer's logged misses promoted through
 `TieredMapping.ensure_resident` + `apply`, copies as GPU ops); round; writes (``assign`` of the
@@ -58,6 +67,9 @@ def pin_exact(t: torch.Tensor) -> torch.Tensor:
     if int(getattr(err, "value", err)) != 0:
         raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed ({err})")
     return t
+
+
+ACC_ROWS = 1 << 16  # per group: earlier chunks' misses kept for the settle (8 B each)
 
 
 class StagingOverflowError(RuntimeError):
@@ -106,6 +118,13 @@ class CudaRows:
         self.groups = groups
         self.state = ResolveState(num_logical, staging_rows, dev)
         self.logs = {n: MissLog(staging_rows, dev) for n in self.layers}
+        # Earlier chunks' misses of a chunked call, per group (addresses, then a dump entry;
+        # counts: appended, overflowed, unmapped), and the staging row index range.
+        cap = min(staging_rows, ACC_ROWS)
+        self.acc_addr = [torch.full((cap + 1,), -1, dtype=torch.int64, device=dev)
+                         for _ in groups]
+        self.acc_counts = [torch.zeros(3, dtype=torch.int64, device=dev) for _ in groups]
+        self._ar = torch.arange(staging_rows, dtype=torch.int64, device=dev)
         self.identity = torch.zeros(1, dtype=torch.int32, device=dev)  # device flag (graphs)
         # The static slot-mapping buffers (int64, what vLLM's write kernels take) and the
         # logical slot mapping each was registered with this step.
@@ -115,7 +134,8 @@ class CudaRows:
         # Cumulative, host ints updated in begin_step (no device read of their own).
         self.counters = {"promotions": 0, "demotions": 0, "bytes_moved": 0,
                          "fallback_chunks": 0, "staged": 0, "overflow": 0, "unmapped": 0,
-                         "steps": 0}
+                         "steps": 0, "chunked_calls": 0, "attention_chunks": 0,
+                         "unsettled": 0}
         self.write_errors = torch.zeros(1, dtype=torch.int64, device=dev)
         # PB-LRU round labels touched by the forward's resolve (device hits get the current
         # round from a device scalar, refreshed in begin_step): eviction sees reads as the
@@ -145,28 +165,68 @@ class CudaRows:
         return self.buf[b: b + self.P]
 
     # ------------------------------------------------------- inside the forward
+    def chunk_tokens(self, T: int, K: int) -> int:
+        """Query tokens per chunk of a ``[T, K]`` layer call (module doc), from shapes only:
+        T when staging covers the whole call, else S // K."""
+        if min(T * K, self.H) <= self.S:
+            return max(T, 1)
+        c = self.S // K
+        if c == 0:
+            raise StagingOverflowError(
+                f"ulacache (CUDA, experimental): staging holds {self.S} rows, fewer than one "
+                f"token's {K} selections: no token chunk fits. Raise ULACACHE_CUDA_STAGING_ROWS "
+                f"to at least {K} (or unset it).")
+        return c
+
+    def chunks(self, T: int, K: int) -> list[tuple[int, int]]:
+        """The ``(t0, t1)`` token ranges of a ``[T, K]`` layer call (one unless it is larger
+        than staging covers); counted in ``chunked_calls`` / ``attention_chunks`` (host ints,
+        counted when the Python runs: eager calls and graph captures, not graph replays)."""
+        c = self.chunk_tokens(T, K)
+        out = [(t0, min(T, t0 + c)) for t0 in range(0, max(T, 1), c)]
+        if len(out) > 1:
+            self.counters["chunked_calls"] += 1
+            self.counters["attention_chunks"] += len(out)
+        return out
+
     def resolve_stage(self, layer: str, logical: torch.Tensor,
-                      num_tokens: torch.Tensor | None = None) -> torch.Tensor:
+                      num_tokens: torch.Tensor | None = None, *,
+                      carry: bool = False) -> torch.Tensor:
         """Logical slots ``[T, K]`` (-1 padded) -> int32 rows of ``kv_view(layer)``; host rows
-        staged. Fixed-shape device work only."""
+        staged. Fixed-shape device work only. ``carry``: a later chunk of one layer call (the
+        group leader's previous chunk's misses are kept for the settle first)."""
         need = min(logical.numel(), self.H)  # the most distinct host misses this call can have
         if need > self.S:  # shapes only (no device read): the same at capture and replay
             raise StagingOverflowError(
                 f"ulacache (CUDA, experimental): layer {layer}'s call of {logical.shape[0]} "
                 f"tokens x {logical.shape[1]} selections can miss {need} distinct host rows, "
                 f"staging holds {self.S}: the overflow would read nothing (wrong attention). "
-                "Raise ULACACHE_CUDA_STAGING_ROWS (or unset it) or lower "
+                "Split it (`chunks`), raise ULACACHE_CUDA_STAGING_ROWS (or unset it) or lower "
                 "max_num_batched_tokens.")
         impl = K.resolve_impl(logical)
         log = self.logs[layer]
         table = self.mappings[self.group_of[layer]].visible
         gi = self.group_of[layer]
+        if carry and self.groups[gi][0] == layer:
+            self._carry(gi, log)
         labels = self.labels[gi]
         rows = impl.resolve(logical, table, labels, self.round_t[gi] if labels is not None
                             else None, num_tokens, self.identity, self.state,
                             dev_base=self.dev_base(layer), log=log)
         impl.stage(self.host_dev[layer], self.buf, log)
         return rows
+
+    def _carry(self, gi: int, log: MissLog) -> None:
+        """Appends ``log``'s misses and counts to group ``gi``'s accumulator (device ops,
+        fixed shapes; addresses past its capacity go to the dump entry, counted)."""
+        addr, cnt = self.acc_addr[gi], self.acc_counts[gi]
+        cap = addr.numel() - 1
+        c = log.counts.to(torch.int64)
+        m = c[0].clamp(max=log.capacity)
+        idx = cnt[0] + self._ar
+        keep = (self._ar < m) & (idx < cap)
+        addr.scatter_(0, torch.where(keep, idx, torch.full_like(idx, cap)), log.addr)
+        cnt.add_(torch.stack([m, c[0] - m, c[1]]))
 
     # ------------------------------------------------------- outside the forward
     def register_writes(self, layer: str, logical_slots: torch.Tensor) -> torch.Tensor:
@@ -190,8 +250,8 @@ class CudaRows:
         self.counters["steps"] += 1
         # Each group's leader logs the misses of the group's one top-k (the other layers'
         # logs hold the same addresses); read before anything changes.
-        taken = [self.logs[names[0]].take() for names in self.groups]
-        overflow = sum(t[2] for t in taken)
+        taken = [self._take(gi) for gi in range(len(self.groups))]
+        overflow = sum(t[1] for t in taken)
         if overflow:
             self.counters["overflow"] += overflow
             raise StagingOverflowError(
@@ -204,7 +264,7 @@ class CudaRows:
             m = self.mappings[gi]
             if freed_addrs is not None and freed_addrs.numel():
                 m.free(freed_addrs.to(self.device))
-            addr, _, _, unmapped = taken[gi]
+            addr, _, unmapped = taken[gi]
             self.counters["unmapped"] += unmapped
             self.counters["staged"] += int(addr.numel())
             addr = addr[m.loc.index_select(0, addr.clamp(min=0)) >= 0] if addr.numel() else addr
@@ -235,6 +295,20 @@ class CudaRows:
                     trash_row=self.S - 1, errors=self.write_errors, out=out)
         # Registered again by the next step's slot mappings (the runner builds them per step).
         self.logical_writes.clear()
+
+    def _take(self, gi: int):
+        """``(addresses, overflow, unmapped)`` of the group's step misses: the carried chunks'
+        (accumulator, then reset) and its leader's log's."""
+        addr, _, over, unmapped = self.logs[self.groups[gi][0]].take()
+        n, a_over, a_unm = (int(x) for x in self.acc_counts[gi].tolist())
+        if n or a_over or a_unm:
+            cap = self.acc_addr[gi].numel() - 1
+            k = min(n, cap)
+            self.counters["unsettled"] += n - k
+            addr = torch.cat([self.acc_addr[gi][:k].clone(), addr])
+            over, unmapped = over + a_over, unmapped + a_unm
+            self.acc_counts[gi].zero_()
+        return addr, over, unmapped
 
     def _apply(self, gi: int, plan) -> None:
         if plan.empty:
