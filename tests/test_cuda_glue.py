@@ -622,7 +622,7 @@ def _engine(layout, impl_cls=UlaFlashMLASparseImpl):
     cfg = types.SimpleNamespace(
         compilation_config=types.SimpleNamespace(static_forward_context=ctx),
         model_config=types.SimpleNamespace(hf_text_config=types.SimpleNamespace(index_topk=K)),
-        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=32))
+        scheduler_config=types.SimpleNamespace(max_num_batched_tokens=32, max_num_seqs=2))
     kv = {n: torch.zeros(4, B, D, dtype=torch.bfloat16) for n in layout.mla_layers}
     return cfg, ctx, kv
 
@@ -640,8 +640,10 @@ def test_worker_installs_rows_registers_impls_and_runs_the_step(monkeypatch):
     rows = w.rows
     assert rt.ACTIVE["rows"] is rows
     assert len(rows.mappings) == 2
-    # Staging: min(tokens x top-k, host rows), in whole blocks.
-    assert rows.S == min(32 * K, 6 * B) and rows.S % B == 0
+    # Staging: a decode step's min(max_num_seqs x top-k, host rows), in whole blocks; a
+    # 32-token call (max_num_batched_tokens) runs in chunks of S // K tokens.
+    assert rows.S == min(2 * K, 6 * B) and rows.S % B == 0
+    assert rows.chunks(32, K) == [(t, t + 2) for t in range(0, 32, 2)]
     for n in lay.mla_layers:
         assert ctx[n].impl.ula_rows is rows and ctx[n].impl.layer_name == n
         assert ctx[n].kv_cache.data_ptr() == rows.buf.data_ptr()
@@ -656,6 +658,8 @@ def test_worker_installs_rows_registers_impls_and_runs_the_step(monkeypatch):
     assert rows.mappings[0].device_used == 0
     u = w.usage()
     assert u["experimental_cuda"] is True and u["totals"]["steps"] == 2
+    cfg.speculative_config = types.SimpleNamespace(num_speculative_tokens=1)  # 2 x (1 + 1)
+    assert CudaDsaWorker.build(lay, cfg, UlaSettings(), kv).rows.S == min(4 * K, 6 * B)
 
 
 def test_worker_refuses_stock_impls_and_tp_shard_mode():
@@ -736,8 +740,8 @@ def test_staging_setting_below_the_bound_is_refused(monkeypatch):
     from ulacache_vllm.engine.config import UlaSettings
     from ulacache_vllm.engine.dsa.cuda.worker import STAGING_ENV, CudaDsaWorker
 
-    lay = _layout()  # host pool 6B rows, 32 tokens x top-k 128: bound min(4096, 384) = 384
-    bound = 6 * B
+    lay = _layout()  # host pool 6B rows, top-k 128: one token's bound min(128, 384) = 128
+    bound = K
     for bad in (str(bound - 1), "0", "lots"):
         monkeypatch.setenv(STAGING_ENV, bad)
         cfg, _, kv = _engine(lay)
@@ -748,7 +752,12 @@ def test_staging_setting_below_the_bound_is_refused(monkeypatch):
         assert f"Unset {STAGING_ENV}" in msg and f"at least {bound}" in msg
     monkeypatch.setenv(STAGING_ENV, str(bound + 1))  # at or above the bound: taken, in blocks
     cfg, _, kv = _engine(lay)
-    assert CudaDsaWorker.build(lay, cfg, UlaSettings(), kv).rows.S == bound + B
+    rows = CudaDsaWorker.build(lay, cfg, UlaSettings(), kv).rows
+    assert rows.S == bound + B
+    assert rows.chunk_tokens(32, K) == 1  # one token per chunk: staging < 2 x top-k
+    monkeypatch.setenv(STAGING_ENV, str(8 * B))  # above the decode default: taken as well
+    cfg, _, kv = _engine(lay)
+    assert CudaDsaWorker.build(lay, cfg, UlaSettings(), kv).rows.S == 8 * B
     monkeypatch.delenv(STAGING_ENV)
     cfg, _, kv = _engine(lay)
     cfg.model_config.hf_text_config.index_topk = 0  # no top-k: no bound

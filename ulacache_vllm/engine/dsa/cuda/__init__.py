@@ -88,3 +88,69 @@ def check_cuda_config(vllm_config: Any) -> None:
     # Dense-MHA prefill gathers whole contexts through the logical block table (the rows are
     # not there under ulacache): every token goes through the sparse MQA path instead.
     vllm_config.attention_config.sparse_mla_force_mqa = True
+
+
+# ------------------------------------------------------------------- device sizing
+# Shared by the worker (what it allocates) and dsa/sizing.py (what the KV budget leaves for
+# the device pools), so the two agree by construction.
+STAGING_ENV = "ULACACHE_CUDA_STAGING_ROWS"
+CLAIM_BYTES = 12  # per logical address: the Triton resolve's claim table (int64 + int32)
+ACC_ROWS = 1 << 16  # per layer group: addresses of a chunked call's earlier chunks (runtime)
+
+
+def cuda_glue_active() -> bool:
+    """True where the worker will build the CUDA glue (a non-CPU platform; wiring refuses one
+    without the opt-in before sizing runs)."""
+    from vllm.platforms import current_platform
+
+    return not current_platform.is_cpu()
+
+
+def decode_tokens(vllm_config: Any) -> int:
+    """Query tokens of the largest decode step: max_num_seqs x (1 + speculative tokens),
+    at most max_num_batched_tokens."""
+    sched = vllm_config.scheduler_config
+    seqs = max(1, getattr(sched, "max_num_seqs", 1) or 1)
+    spec = getattr(vllm_config, "speculative_config", None)
+    k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+    return max(1, min(seqs * (1 + k), sched.max_num_batched_tokens))
+
+
+def staging_rows(decode_toks: int, topk: int, host_rows: int, block_size: int) -> int:
+    """Staging rows, in whole blocks. Default: a decode step's worst case, min(decode tokens x
+    top-k, host rows) (larger calls run in token chunks). ``ULACACHE_CUDA_STAGING_ROWS``
+    replaces it; below one token's worth, min(top-k, host rows), no chunk fits: refused."""
+    if topk <= 0:
+        raise RuntimeError(
+            "ulacache (CUDA, experimental): the model config has no index_topk, so the staging "
+            "area has no bound (tokens x top-k); only DSA models with index_topk are covered. "
+            "Use --kv-backend vllm.")
+    host_rows = max(1, host_rows)
+    floor = min(topk, host_rows)
+    n = min(decode_toks * topk, host_rows)
+    env = os.environ.get(STAGING_ENV, "").strip()
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            n = 0
+        if n < floor:
+            raise RuntimeError(
+                f"ulacache (CUDA, experimental): {STAGING_ENV}={env} is below the staging "
+                f"bound of {floor} rows (one token's selections: min(index_topk {topk}, host "
+                f"pool rows {host_rows})): no token chunk would fit, and an overflow would "
+                f"read nothing (wrong attention). Unset {STAGING_ENV} (the default is a decode "
+                f"step's min({decode_toks} tokens x {topk}, {host_rows}) rows) or set it to at "
+                f"least {floor}.")
+    return -(-n // block_size) * block_size
+
+
+def device_extra_bytes(staging: int, row_bytes: int, layers: int, groups: int,
+                       max_tokens: int) -> int:
+    """Device bytes `runtime.CudaRows` allocates besides the device pools and the claim table
+    (`CLAIM_BYTES` per logical address): staging rows, a miss log per layer plus the resolve
+    state's (16 B per staging row each), the per-group carry accumulators, the static
+    write-slot buffers (int64 per batch token per layer) and the staging index range."""
+    acc = groups * (8 * (min(staging, ACC_ROWS) + 1) + 24)
+    return (staging * row_bytes + (layers + 1) * (16 * staging + 8) + acc
+            + layers * 8 * max_tokens + 8 * staging)

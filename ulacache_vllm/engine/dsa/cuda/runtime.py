@@ -53,6 +53,8 @@ from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
 from ulacache_vllm.core.pools import CapacityError
 from ulacache_vllm.kernels.resolve_reference import MissLog, ResolveState
 
+from . import ACC_ROWS
+
 
 # The worker's rows while a ulacache engine runs in this process on CUDA (read by the
 # slot-mapping hook in patches/cuda_sparse_backend.py; set by `worker.CudaDsaWorker.build`).
@@ -69,7 +71,6 @@ def pin_exact(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-ACC_ROWS = 1 << 16  # per group: earlier chunks' misses kept for the settle (8 B each)
 
 
 class StagingOverflowError(RuntimeError):

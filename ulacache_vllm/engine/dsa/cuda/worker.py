@@ -4,13 +4,18 @@ impl, publishes the rows to the slot-mapping hook, and runs `CudaRows.begin_step
 connector's pre-forward hook (outside any CUDA graph: in FULL decode mode vLLM calls it before
 ``run_fullgraph``).
 
-Staging size: distinct host misses of one layer call are at most the host pool's rows and at
-most the step's tokens x top-k (`staging_bound`); that bound, in whole blocks, is the default.
-``ULACACHE_CUDA_STAGING_ROWS`` may raise it; a value below the bound (or a model without
-``index_topk``, which leaves no bound) is refused at build. Staging overflow would read -1 for
-the rest of a call (wrong attention), so it is refused twice more: each layer call whose shape
-could overflow raises (`CudaRows.resolve_stage`, a shape check), and a nonzero overflow count
-in the kernels' miss logs raises at the next step (`CudaRows.begin_step`), ending the engine.
+Staging size (`cuda.staging_rows`): a decode step's worst case, min(max_num_seqs x (1 +
+speculative tokens) x top-k, host rows), in whole blocks, so decode (and its CUDA graphs) runs
+in one piece; a larger layer call (prefill, mixed) runs in token chunks of S // top-k tokens
+(`CudaRows.chunks`), so staging no longer scales with max_num_batched_tokens.
+``ULACACHE_CUDA_STAGING_ROWS`` replaces the default; below one token's selections (min(top-k,
+host rows)), or for a model without ``index_topk``, it is refused at build. Staging overflow
+would read -1 for the rest of a call (wrong attention), so it is refused twice more: each
+resolve whose shape could overflow raises (`CudaRows.resolve_stage`, a shape check), and a
+nonzero overflow count in the kernels' miss logs raises at the next step
+(`CudaRows.begin_step`), ending the engine. The device bytes the rows take besides the device
+pools (staging, miss logs, claim table, ...: `cuda.device_extra_bytes`) are taken out of the KV
+budget by dsa/sizing.py with the same functions, and logged here.
 Connector stats (`stats`, vLLM's ``get_kv_connector_stats`` after the forward): promotions,
 demotions, bytes moved, fallback chunks and the pool gauges, as on the CPU path and on the same
 schedule, from host counters `CudaRows.begin_step` already keeps (no device read of their own).
@@ -20,7 +25,6 @@ Not covered: TP shard mode, MTP draft layers, prefix-hit counting, lost-block re
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,47 +33,16 @@ from vllm.logger import init_logger
 from ...line import LineWorker
 from ...metrics import UlaStats, per_rank_gauges
 from ..worker import STATS_EVERY
+from . import CLAIM_BYTES, STAGING_ENV, decode_tokens, device_extra_bytes, staging_rows
 from .runtime import CudaRows
+
+__all__ = ["STAGING_ENV", "CudaDsaWorker", "layer_groups"]
 
 if TYPE_CHECKING:
     from ..sizing import UlaLayout
 
 logger = init_logger("vllm.ulacache.dsa.cuda")
-STAGING_ENV = "ULACACHE_CUDA_STAGING_ROWS"
 STAT_COUNTERS = ("promotions", "demotions", "bytes_moved", "fallback_chunks")
-
-
-def staging_bound(layout: "UlaLayout", max_tokens: int, topk: int) -> int:
-    """The most distinct host misses one layer call can have: min(tokens x top-k, host rows)."""
-    if topk <= 0:
-        raise RuntimeError(
-            "ulacache (CUDA, experimental): the model config has no index_topk, so the staging "
-            "area has no bound (tokens x top-k); only DSA models with index_topk are covered. "
-            "Use --kv-backend vllm.")
-    return max(1, min(max_tokens * topk, layout.host_slots))
-
-
-def staging_rows(layout: "UlaLayout", max_tokens: int, topk: int) -> int:
-    """Staging rows in whole blocks: the bound, or ``ULACACHE_CUDA_STAGING_ROWS`` if set and
-    not below it (below it a layer call could overflow staging: refused, naming the fix)."""
-    bound = staging_bound(layout, max_tokens, topk)
-    env = os.environ.get(STAGING_ENV, "").strip()
-    n = bound
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            n = 0
-        if n < bound:
-            raise RuntimeError(
-                f"ulacache (CUDA, experimental): {STAGING_ENV}={env} is below the staging "
-                f"bound of {bound} rows (min(max_num_batched_tokens {max_tokens} x index_topk "
-                f"{topk}, host pool rows {layout.host_slots})): a layer call could have more "
-                f"distinct host misses than staging rows, and the overflow would read nothing "
-                f"(wrong attention). Unset {STAGING_ENV} (the default is the bound) or set it "
-                f"to at least {bound}.")
-    bs = layout.block_size
-    return -(-n // bs) * bs
 
 
 def layer_groups(layout: "UlaLayout") -> list[list[str]]:
@@ -109,7 +82,8 @@ class CudaDsaWorker(LineWorker):
                         head_size=layout.mla_head_size, kv_dtype=kv_dtype,
                         block_size=layout.block_size, device_slots=layout.device_slots,
                         host_slots=layout.host_slots,
-                        staging_rows=staging_rows(layout, max_tokens, topk),
+                        staging_rows=staging_rows(decode_tokens(vllm_config), topk,
+                                                  layout.host_slots, layout.block_size),
                         num_logical=layout.num_blocks * layout.block_size,
                         max_tokens=max_tokens, device=device, lru=settings.lru)
         for name in layout.mla_layers:
@@ -123,9 +97,17 @@ class CudaDsaWorker(LineWorker):
             layer.kv_cache = rows.kv_view(name)
             layer.impl.register(rows, name)
         ACTIVE["rows"] = rows
+        L = len(layout.mla_layers)
+        extra = device_extra_bytes(rows.S, rows.row_bytes, L, len(rows.groups), max_tokens)
+        claim = CLAIM_BYTES * layout.num_logical if rows.state.claim.numel() > 1 else 0
         logger.warning("ulacache CUDA glue (EXPERIMENTAL, never verified end to end on a "
-                       "GPU): %d layers, staging %d rows, device %d / host %d rows per layer",
-                       len(layout.mla_layers), rows.S, rows.P, rows.H)
+                       "GPU): %d layers, device %d / host %d rows per layer (device pools "
+                       "%.1f MiB); staging %d rows (%.1f MiB; %.1f MiB with the miss logs and "
+                       "write buffers), resolve claim table %.1f MiB, all in the KV budget; "
+                       "a %d-token layer call runs in chunks of %d tokens",
+                       L, rows.P, rows.H, rows.P * rows.row_bytes * L / 2**20, rows.S,
+                       rows.S * rows.row_bytes / 2**20, extra / 2**20, claim / 2**20,
+                       max_tokens, min(max_tokens, rows.chunk_tokens(max_tokens, topk)))
         return cls(rows, layout)
 
     def begin_step(self, step, forward_context) -> None:
