@@ -36,6 +36,14 @@ SHA-256 of the output tokens. Reported per mode and shape: ulacache / stock deco
 per paired repeat (median, min, max) and the wall-time ratio, and whether the outputs were
 token-identical.
 
+``--spec METHOD[:K]``: speculative decoding with the same ``speculative_config`` on both sides
+of every mode run: ``mtp[:K]`` (K default 2; the DSA model and Qwen3-Next are built with one MTP
+layer, ``models_cache/*-mtp``) or ``ngram[:K]`` (K default 3). A decode step is then one with
+no new request and at most 1 + K tokens per request (drafts verified); each run also records
+vLLM's ``vllm:spec_decode_*`` counters over the timed ``generate`` (drafts, draft tokens,
+accepted tokens), reported per side beside the step-time ratio and the token identity. Files
+``equal_batch[_quick]_spec_<method>``.
+
 ``--profile``: every engine (both backends alike) also wraps, from this script and without
 touching product code, the scheduler's ``schedule`` / ``update_from_output``, the KV cache
 manager's ``allocate_slots`` (and the arena's ``allocate``), the connector's
@@ -179,8 +187,10 @@ def _install_class_wrappers(prof: Prof) -> list[str]:
     return done
 
 
-def _install_engine_wrappers(prof: Prof, llm, profile: bool, cur: dict) -> dict:
-    """Instance attributes of the built engine (scheduler, executor, store)."""
+def _install_engine_wrappers(prof: Prof, llm, profile: bool, cur: dict,
+                             spec_k: int = 0) -> dict:
+    """Instance attributes of the built engine (scheduler, executor, store). ``spec_k``: draft
+    tokens per step (speculative decoding): a decode step schedules 1 + up to K per request."""
     eng = llm.llm_engine
     core = eng.engine_core.engine_core  # InprocClient -> EngineCore
     sch = core.scheduler
@@ -193,8 +203,9 @@ def _install_engine_wrappers(prof: Prof, llm, profile: bool, cur: dict) -> dict:
         cur["tokens"] = out.total_num_scheduled_tokens
         cur["reqs"] = len(n)
         cur["new"] = len(out.scheduled_new_reqs)
-        cur["decode"] = bool(n) and not out.scheduled_new_reqs and \
-            out.total_num_scheduled_tokens == len(n)
+        cur["decode"] = bool(n) and not out.scheduled_new_reqs and (
+            max(n.values()) <= 1 + spec_k if spec_k else
+            out.total_num_scheduled_tokens == len(n))
         return out
 
     sch.schedule = prof.wrap("sched.schedule", schedule) if profile else schedule
@@ -293,6 +304,13 @@ def _hist(llm, name: str) -> tuple[int, float]:
     return count, total
 
 
+def _spec_counts(llm) -> dict:
+    """vLLM's speculative-decoding counters (log stats on): drafts, draft and accepted tokens."""
+    return {m.name[len("vllm:spec_decode_"):]: m.value for m in llm.get_metrics()
+            if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                          "vllm:spec_decode_num_accepted_tokens")}
+
+
 def _worker(cfg: dict) -> dict:
     import hashlib
 
@@ -311,7 +329,9 @@ def _worker(cfg: dict) -> dict:
     eng = llm.llm_engine
     sch = eng.engine_core.engine_core.scheduler
     cur: dict = {}
-    info = _install_engine_wrappers(prof, llm, cfg["profile"], cur)
+    info = _install_engine_wrappers(prof, llm, cfg["profile"], cur,
+                                    (cfg["llm_kw"].get("speculative_config") or {}).get(
+                                        "num_speculative_tokens", 0))
     store = info["store"]
     steps: list[dict] = []
     orig_step = eng.step
@@ -385,12 +405,14 @@ def _worker(cfg: dict) -> dict:
                          use_tqdm=False)
         ua = usage()
         h0 = _hist(llm, "vllm:inter_token_latency_seconds")
+        sc0 = _spec_counts(llm) if cfg["llm_kw"].get("speculative_config") else None
         steps.clear()
         prof.calls.clear()
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         h1 = _hist(llm, "vllm:inter_token_latency_seconds")
+        sc1 = _spec_counts(llm) if sc0 is not None else None
         ub = usage()
         toks = [list(o.outputs[0].token_ids) for o in outs]
         # vLLM's per-request stats (log stats on): first -> last token over the later tokens.
@@ -418,6 +440,11 @@ def _worker(cfg: dict) -> dict:
              "itl_ms_mean": (1000 * (h1[1] - h0[1]) / (h1[0] - h0[0])) if h1[0] > h0[0]
              else None,
              "request_tpot_ms_mean": statistics.fmean(tpots) if tpots else None}
+        if sc0 is not None:  # drafts judged in the timed run, and the acceptance rate
+            sd = {k: v - sc0.get(k, 0) for k, v in sc1.items()}
+            sd["acceptance"] = sd.get("num_accepted_tokens", 0) / max(
+                1, sd.get("num_draft_tokens", 0))
+            r["spec_decode"] = sd
         if cfg["profile"] and full:
             keys = sorted({k for s in full for k in s["ph"]})
             # Every full-batch decode step, and the faster half of them (steps a busy host
@@ -540,7 +567,24 @@ def _model(name: str, overrides: dict | None, dirname: str) -> str:
 
 
 def _dsa_model(args) -> str:
-    return args.model or _model("deepseek_v32", None, "bench-deepseek-v32")
+    if args.model:
+        return args.model
+    if _spec_config(args.spec or "").get("method") == "mtp":
+        return _model("deepseek_v32", {"num_nextn_predict_layers": 1}, "bench-deepseek-v32-mtp")
+    return _model("deepseek_v32", None, "bench-deepseek-v32")
+
+
+def _spec_config(arg: str) -> dict:
+    """``--spec METHOD[:K]`` as vLLM's speculative_config ({} without --spec)."""
+    if not arg:
+        return {}
+    method, _, k = arg.partition(":")
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": int(k or 2)}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": int(k or 3),
+                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    raise SystemExit(f"--spec {arg}: method must be mtp or ngram")
 
 
 def _rup(x: float, a: int) -> int:
@@ -650,7 +694,12 @@ def plan_mode(mode: str, args) -> dict:
             configs[f"stock-bs{b}"] = dict(backend="vllm", llm_kw=dict(
                 base, kv_backend="vllm", block_size=int(b)))
     configs["ulacache"] = dict(backend="ulacache", llm_kw=dict(base, kv_backend="ulacache"))
-    return {"model": _model(name, m["overrides"], m["dir"]), "dtype": m["dtype"], "tp": 1,
+    mtp = _spec_config(args.spec or "").get("method") == "mtp"
+    if mtp and name != "qwen3_next":
+        raise SystemExit(f"--spec mtp: arena-{name} has no MTP layer (use ngram)")
+    model = (_model(name, dict(m["overrides"], num_nextn_predict_layers=1), m["dir"] + "-mtp")
+             if mtp else _model(name, m["overrides"], m["dir"]))
+    return {"model": model, "dtype": m["dtype"], "tp": 1,
             "shapes": shapes, "configs": configs, "baseline": "stock",
             "description": (f"tiny {name} ({m['dtype']}), the ulacache arena against stock's "
                             f"default block and block sizes {list(configs)[1:-1]}; prefix "
@@ -714,6 +763,11 @@ def summarize(plan: dict, runs: list[dict]) -> dict:
         hashes = {n: sorted({r["shapes"][shape]["tokens_sha256"] for r in by[n].values()
                              if shape in r.get("shapes", {})}) for n in names}
         s["tokens_sha256_by_config"] = hashes
+        # Speculative decoding (--spec): each side's counters over its timed runs, per repeat.
+        sd = {n: [r["shapes"][shape]["spec_decode"] for _, r in sorted(by[n].items())
+                  if (r.get("shapes", {}).get(shape) or {}).get("spec_decode")] for n in names}
+        if any(sd.values()):
+            s["spec_decode_by_config"] = {n: v for n, v in sd.items() if v}
         base_h = hashes.get(plan["baseline"]) or []
         s["tokens_identical"] = {n: (len(h) == 1 and h == base_h) for n, h in hashes.items()
                                  if h}
@@ -887,6 +941,11 @@ def _fmt_summary(mode: str, plan: dict, summary: dict, runs: list[dict]) -> list
             if d:
                 lines.append(f"  ulacache counters ({rk}, timed run): " + ", ".join(
                     f"{k} {v:g}" for k, v in d.items()))
+        for k, reps in (s.get("spec_decode_by_config") or {}).items():
+            lines.append(f"  speculative decoding, {k} (per repeat): " + "; ".join(
+                f"{d.get('num_drafts', 0):g} drafts, {d.get('num_draft_tokens', 0):g} draft "
+                f"tokens, {d.get('num_accepted_tokens', 0):g} accepted "
+                f"(rate {d.get('acceptance', 0):.3f})" for d in reps))
         ti = s["tokens_identical"]
         lines.append("  outputs token-identical to stock: " + ", ".join(
             f"{k} {'yes' if v else 'NO'}" for k, v in ti.items() if k != plan["baseline"]))
@@ -1012,6 +1071,8 @@ def main() -> None:
                     help="dsa-pressure: ulacache device pool / batch tokens")
     ap.add_argument("--tp2-device-frac", type=float, default=0.75,
                     help="dsa-tp2: ulacache device rows per rank / batch tokens")
+    ap.add_argument("--spec", default=None, metavar="METHOD[:K]",
+                    help="speculative decoding on both sides: mtp[:K] or ngram[:K] (module doc)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--bind", default="auto", help="TP=1: the CPU each engine is pinned to "
                     "(one OpenMP thread; default auto: the idlest CPU at the run's start); "
@@ -1046,6 +1107,9 @@ def main() -> None:
 
     doc["vllm"] = {"version": vllm.__version__, "path": str(Path(vllm.__file__).parent)}
     stem = args.name or ("equal_batch_quick" if args.quick else "equal_batch")
+    spec_cfg = _spec_config(args.spec or "")
+    if spec_cfg and not args.name:
+        stem += f"_spec_{spec_cfg['method']}"
     out = Path(args.out) / stem
     out.parent.mkdir(parents=True, exist_ok=True)
     report: list[str] = []
@@ -1067,7 +1131,8 @@ def main() -> None:
                 tp = c.get("tp", 1)
                 cfg = {"name": f"{mode}/{name}", "backend": c["backend"],
                        "model": plan["model"], "dtype": plan["dtype"],
-                       "llm_kw": dict(c["llm_kw"], disable_log_stats=not args.log_stats),
+                       "llm_kw": dict(c["llm_kw"], disable_log_stats=not args.log_stats,
+                                      **({"speculative_config": spec_cfg} if spec_cfg else {})),
                        "shapes": plan["shapes"], "profile": args.profile,
                        "warmup": not args.no_warmup}
                 bind, pin = _bind(tp, args.bind)
