@@ -813,3 +813,43 @@ def test_forward_touches_pblru_labels_of_device_hits(kernels, monkeypatch):
     changed = (lab != before).nonzero().reshape(-1)
     assert changed.numel() > 0
     assert bool((lab[changed] == m.policy.round).all())
+
+
+@pytest.mark.parametrize("staging", [B, 4 * B, 2048 * B], ids=["small", "mid", "over-acc"])
+@pytest.mark.parametrize("lru", ["pblru", "exact_ts"])
+def test_device_extra_bytes_are_what_the_rows_allocate_besides_the_pools(staging, lru):
+    """dsa/sizing.py takes `device_extra_bytes` (+ the claim table) out of the KV budget: it
+    must equal the device bytes CudaRows allocates besides its pools, so the user's budget
+    holds. Counted from the tensors CudaRows holds (CPU: no claim table)."""
+    from ulacache_vllm.engine.dsa.cuda import MAPPING_BYTES, device_extra_bytes
+
+    groups = [["a", "b"], ["c"]]
+    rows = CudaRows(groups, row_bytes=FP8_ROW, head_size=D, kv_dtype=torch.uint8,
+                    block_size=B, device_slots=2 * B, host_slots=4 * B, staging_rows=staging,
+                    num_logical=6 * B, max_tokens=48, device="cpu", lru=lru)
+    assert rows.state.claim.numel() == 0  # CPU: the reference resolve, no claim table
+
+    def nbytes(ts):
+        return sum(t.untyped_storage().nbytes() for t in ts)
+
+    tensors = [rows.buf, rows.identity, rows.write_errors, rows._ar, rows.state.stamp,
+               *rows.write_rows.values(), *rows.acc_addr, *rows.acc_counts, *rows.round_t]
+    for log in [*rows.logs.values(), rows.state.log]:
+        tensors += [log.addr, log.host, log.counts]
+    pools = 3 * rows.P * FP8_ROW
+    small = nbytes([rows.identity, rows.write_errors, rows.state.stamp, *rows.round_t])
+    assert nbytes(tensors) - pools - small == device_extra_bytes(staging, FP8_ROW, 3, 2, 48)
+    # The mapping tables per logical address (sizing counts MAPPING_BYTES per group).
+    def tensors_of(obj, depth=2):
+        out = [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]
+        if depth:
+            for v in vars(obj).values():
+                if hasattr(v, "__dict__") and not isinstance(v, (torch.Tensor, type)):
+                    out += tensors_of(v, depth - 1)
+        return out
+
+    for m in rows.mappings:
+        assert m.num_logical == rows.P + rows.H
+        ts = {id(t): t for t in tensors_of(m)}.values()  # tables, pools, policy (all tensors)
+        assert any(t.numel() >= m.num_logical for t in ts)  # the per-address tables were found
+        assert nbytes(ts) <= MAPPING_BYTES * m.num_logical + 16384  # + fixed index ranges

@@ -187,3 +187,72 @@ def test_shard_mode_host_pool_needs_only_one_request_s_share_per_rank():
     with pytest.raises(KVBackendError, match="one request's share per rank"):
         plan_layout(_tp(_config(batched=512, max_len=2048), 2), _specs_indexer(), 6_000_000,
                     UlaSettings(host_pool_gib=gib))
+
+
+def _cuda_config(batched=2048, max_seqs=8, topk=64, spec_tokens=0):
+    cfg = _config(batched=batched, max_seqs=max_seqs, topk=topk)
+    cfg.speculative_config = SimpleNamespace(num_speculative_tokens=spec_tokens) \
+        if spec_tokens else None
+    return cfg
+
+
+def test_cuda_glue_budget_holds_pools_staging_buffers_and_placeholders(monkeypatch):
+    """On CUDA the glue's staging area, miss logs, carry accumulators, write buffers and
+    claim table come out of the KV budget: vLLM's placeholders + indexer keys + device pools
+    + those stay within it, and the device pool is what is left (no second copy)."""
+    from ulacache_vllm.engine.dsa import sizing
+    from ulacache_vllm.engine.dsa.cuda import (CLAIM_BYTES, MAPPING_BYTES, device_extra_bytes,
+                                               staging_rows)
+
+    layers = 2
+    row, idx = 576 * 4, 128 * 4  # one layer's MLA row and indexer keys per token
+    host = UlaSettings(host_pool_gib=4096 * layers * row / 2**30)
+    budget = 8192 * (layers * (row + idx + 1)) + 4096 * layers * (idx + 1)
+    cpu = plan_layout(_cuda_config(), _specs(layers), budget, host)
+    monkeypatch.setattr(sizing, "cuda_glue_active", lambda: True)
+    gpu = plan_layout(_cuda_config(), _specs(layers), budget, host)
+    assert cpu.host_slots == gpu.host_slots == 4096
+    S = staging_rows(8, 64, gpu.host_slots, BS)  # decode: max_num_seqs 8 x top-k 64
+    assert S == 512
+    extra = device_extra_bytes(S, row, layers, layers, 2048)
+    # Indexer keys, placeholders, claim table, each group's (= layer's here) mapping tables.
+    per_logical = layers * (idx + 1) + CLAIM_BYTES + layers * MAPPING_BYTES
+    used = gpu.num_logical * per_logical + gpu.device_slots * layers * row + extra
+    assert used <= budget
+    # Not more than a block of device slots left unused.
+    assert budget - used < BS * (per_logical + layers * row)
+    assert gpu.device_slots < cpu.device_slots
+    # Speculative tokens widen a decode step, so staging (and its bytes) grow with them.
+    spec = plan_layout(_cuda_config(spec_tokens=3), _specs(layers), budget, host)
+    assert spec.device_slots < gpu.device_slots
+
+
+def test_cuda_glue_budget_refusal_counts_the_staging_bytes(monkeypatch):
+    from ulacache_vllm.engine.dsa import sizing
+
+    monkeypatch.setattr(sizing, "cuda_glue_active", lambda: True)
+    row = 2 * 576 * 4
+    host = UlaSettings(host_pool_gib=4096 * row / 2**30)
+    with pytest.raises(KVBackendError, match=r"of them for the CUDA staging area"):
+        plan_layout(_cuda_config(), _specs(), 100_000, host)
+    monkeypatch.setenv("ULACACHE_CUDA_STAGING_ROWS", "3")  # below one token's 64 rows
+    with pytest.raises(KVBackendError, match="ULACACHE_CUDA_STAGING_ROWS=3"):
+        plan_layout(_cuda_config(), _specs(), 10**9, host)
+
+
+def test_vllm_allocates_one_byte_per_token_for_the_mla_layers():
+    """The spec vLLM allocates for each MLA layer under ulacache is the placeholder: 1 byte
+    per token, also for fp8_ds_mla's 656 B packed rows with the FlashMLA block alignment."""
+    from vllm.v1.attention.backend import MultipleOf
+
+    from ulacache_vllm.engine.dsa.sizing import placeholder_spec
+
+    fp8 = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=656, dtype=torch.uint8,
+                           cache_role=SparseCacheRole.SPARSE, cache_dtype_str="fp8_ds_mla",
+                           block_stride_alignment=MultipleOf(64))
+    bf16 = MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+                            cache_role=SparseCacheRole.SPARSE)
+    assert fp8.page_size_bytes == 64 * 656 and bf16.page_size_bytes == 64 * 1152
+    for s in (fp8, bf16):
+        p = placeholder_spec(s)
+        assert p.page_size_bytes == 64 and p.get_block_stride_alignment() == 1

@@ -11,7 +11,17 @@ holds host-tier MLA rows. Residency is exclusive, so the logical capacity is
 
 vLLM's block pool is sized to `N / block_size` logical blocks (plus its null block); the MLA
 layers get a 1-byte placeholder spec so vLLM allocates only the indexer caches, and the worker
-allocates the device and host MLA pools itself (`worker_store.py`).
+allocates the device and host MLA pools itself (`worker_store.py`; on CUDA `cuda.runtime.CudaRows`,
+which binds its own ``[staging | pools]`` buffer as the layers' KV caches: vLLM's placeholder
+tensors, 1 byte per token and MLA layer, stay allocated and are counted here).
+
+On CUDA (experimental glue) the rows' other device buffers come out of `D` too, so the total
+stays the KV budget the user gave: the staging area and the buffers sized by it (miss logs,
+carry accumulators, write-slot buffers: `cuda.device_extra_bytes`, with the staging rows
+`cuda.staging_rows` the worker uses), the resolve's claim table (`cuda.CLAIM_BYTES` per
+logical token) and each layer group's mapping tables (`cuda.MAPPING_BYTES` per logical token
+and group), the last two counted like the placeholders. Not counted: the settle's transient
+tensors (sized by a step's misses).
 """
 from __future__ import annotations
 
@@ -24,6 +34,10 @@ import torch
 
 from ..config import KVBackendError, UlaSettings, refuse_context_parallel, reported_to_front_end
 from ..line import LineLayout, UlaKVCacheConfig
+from .cuda import CLAIM_BYTES, MAPPING_BYTES, cuda_glue_active
+from .cuda import decode_tokens as cuda_decode_tokens
+from .cuda import device_extra_bytes as cuda_device_extra_bytes
+from .cuda import staging_rows as cuda_staging_rows
 
 GIB = 1 << 30
 
@@ -208,8 +222,18 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
     sched = vllm_config.scheduler_config
     topk = getattr(vllm_config.model_config.hf_text_config, "index_topk", 0) or 0
     seqs = max(1, getattr(sched, "max_num_seqs", 1) or 1)
+    names = sorted(mla, key=_layer_index)
+    leaders = [n for n in names if mla[n].is_index_group_leader] or names
+    if names[0] not in leaders:
+        leaders.insert(0, names[0])
     # Per rank and local token: placeholders of its P logical tokens' share, its indexer keys.
     per_local = S * (Lp + Ir) + Il
+    extra = 0  # device bytes of the CUDA glue besides its pools (module doc)
+    if S == 1 and cuda_glue_active():
+        per_local += CLAIM_BYTES + MAPPING_BYTES * len(leaders)
+        extra = cuda_extra_bytes(vllm_config, host_slots, bs, max(row.values()), len(mla),
+                                 len(leaders), topk)
+        available_bytes -= extra
     remote = 0
     if S > 1:
         budget_rows = max(0, available_bytes) // (per_local + M)
@@ -237,7 +261,7 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
         # Device slots come in whole blocks: the suggested budget must give a block count
         # that covers the need, not just the need in bytes.
         need_bytes = (-(-need_device // lbs) * lbs * (per_local + M) + host_slots * per_local
-                      + remote * M)
+                      + remote * M + extra)
         if sched.enable_chunked_prefill:
             batch_fix = ", lower --max-num-batched-tokens,"
         else:  # vLLM's CPU build runs MLA without chunked prefill and fixes the batch size
@@ -245,7 +269,8 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
                          "here: chunked prefill is off for MLA on this platform)")
         share = "" if S == 1 else f" on each of {S} TP ranks (its share of the step)"
         raise KVBackendError(
-            f"ulacache device pool too small: the KV budget of {available_bytes} bytes leaves "
+            f"ulacache device pool too small: the KV budget of {available_bytes + extra} bytes"
+            f"{f' ({extra} of them for the CUDA staging area and buffers)' if extra else ''} leaves "
             f"{max(device_slots, 0)} device slots after indexer keys for {host_slots} host "
             f"tokens, but one step needs up to {need_device}{share} (max_num_batched_tokens "
             f"{sched.max_num_batched_tokens} + index_topk {topk}). Raise the KV budget "
@@ -253,10 +278,6 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
             f"bytes{batch_fix} or shrink --ula-host-pool-gib."
         )
     num_logical = (device_slots + host_slots) * S
-    names = sorted(mla, key=_layer_index)
-    leaders = [n for n in names if mla[n].is_index_group_leader] or names
-    if names[0] not in leaders:
-        leaders.insert(0, names[0])
     first = mla[names[0]]
     return UlaLayout(
         block_size=bs,
@@ -277,6 +298,18 @@ def plan_layout(vllm_config, specs: dict, available_bytes: int, settings: UlaSet
         indexer_layers={n: s.page_size_bytes // s.block_size
                         for n, s in sorted(idx.items(), key=lambda kv: _layer_index(kv[0]))},
     )
+
+
+def cuda_extra_bytes(vllm_config, host_slots: int, block_size: int, row_bytes: int,
+                     layers: int, groups: int, topk: int) -> int:
+    """`cuda.device_extra_bytes` at the staging rows the CUDA worker will allocate."""
+    try:
+        staging = cuda_staging_rows(cuda_decode_tokens(vllm_config), topk, host_slots,
+                                    block_size)
+    except RuntimeError as e:  # no index_topk, or a staging setting below one token's
+        raise KVBackendError(str(e)) from None
+    return cuda_device_extra_bytes(staging, row_bytes, layers, groups,
+                                   vllm_config.scheduler_config.max_num_batched_tokens)
 
 
 # `additional_config` key listing the scheduler settings the user left to vLLM's defaults

@@ -95,6 +95,12 @@ def check_cuda_config(vllm_config: Any) -> None:
 # the device pools), so the two agree by construction.
 STAGING_ENV = "ULACACHE_CUDA_STAGING_ROWS"
 CLAIM_BYTES = 12  # per logical address: the Triton resolve's claim table (int64 + int32)
+# Per logical address and layer group: the group's TieredMapping on the device (loc, visible,
+# the unique-address claims: 3 x int64; the device and host slot pools' stacks and owners,
+# 2 x int64 per slot, slots = logical addresses) and its eviction policy's tables (at most 16 B
+# per device slot: PB-LRU labels int16, the timestamp scan's stamps and index range; counted per
+# logical address: an upper bound).
+MAPPING_BYTES = 56
 ACC_ROWS = 1 << 16  # per layer group: addresses of a chunked call's earlier chunks (runtime)
 
 
