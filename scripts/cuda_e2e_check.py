@@ -218,6 +218,7 @@ def compare(stock: dict, ula: dict) -> dict:
                prompts_equal=f"{sum(same)}/{len(same)}",
                promotions=u.get("promotions", 0), demotions=u.get("demotions", 0),
                staged=u.get("staged", 0), overflow=u.get("overflow", 0),
+               chunked_calls=u.get("chunked_calls", 0),
                tpot_ratio=ula["tpot_s"] / stock["tpot_s"],
                sweep_ratio={c: ula["sweep_tok_s"][c] / stock["sweep_tok_s"][c]
                             for c in stock["sweep_tok_s"]})
@@ -263,7 +264,8 @@ def main(argv=None) -> int:
         sweep = ", ".join(f"c={c}: {v:.2f}x" for c, v in r["sweep_ratio"].items())
         print(f"{r['config']}: tokens: {'PASS' if r['parity'] else 'FAIL'} "
               f"({r['prompts_equal']} prompts equal); promotions {r['promotions']}, demotions "
-              f"{r['demotions']}, staged {r['staged']}, overflow {r['overflow']}; batch-1 TPOT "
+              f"{r['demotions']}, staged {r['staged']}, overflow {r['overflow']}, token-chunked "
+              f"layer calls {r['chunked_calls']}; batch-1 TPOT "
               f"ulacache/stock {r['tpot_ratio']:.2f}x; throughput ulacache/stock {sweep}")
     if args.json:
         Path(args.json).write_text(json.dumps({"runs": results, "summary": rows}, indent=2))
