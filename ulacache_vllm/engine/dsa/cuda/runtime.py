@@ -251,7 +251,7 @@ class CudaRows:
         self.counters["steps"] += 1
         # Each group's leader logs the misses of the group's one top-k (the other layers'
         # logs hold the same addresses); read before anything changes.
-        taken = [self._take(gi) for gi in range(len(self.groups))]
+        taken = self._take_all()
         overflow = sum(t[1] for t in taken)
         if overflow:
             self.counters["overflow"] += overflow
@@ -297,19 +297,24 @@ class CudaRows:
         # Registered again by the next step's slot mappings (the runner builds them per step).
         self.logical_writes.clear()
 
-    def _take(self, gi: int):
-        """``(addresses, overflow, unmapped)`` of the group's step misses: the carried chunks'
-        (accumulator, then reset) and its leader's log's."""
-        addr, _, over, unmapped = self.logs[self.groups[gi][0]].take()
-        n, a_over, a_unm = (int(x) for x in self.acc_counts[gi].tolist())
-        if n or a_over or a_unm:
-            cap = self.acc_addr[gi].numel() - 1
-            k = min(n, cap)
-            self.counters["unsettled"] += n - k
-            addr = torch.cat([self.acc_addr[gi][:k].clone(), addr])
-            over, unmapped = over + a_over, unmapped + a_unm
-            self.acc_counts[gi].zero_()
-        return addr, over, unmapped
+    def _take_all(self) -> list[tuple[torch.Tensor, int, int]]:
+        """Per group ``(addresses, overflow, unmapped)`` of the step's misses: its leader's log
+        and the carried chunks' accumulator (then reset). One device read for every group."""
+        logs = [self.logs[names[0]] for names in self.groups]
+        vals = torch.cat([t for log, acc in zip(logs, self.acc_counts)
+                          for t in (log.counts.to(torch.int64), acc)]).tolist()
+        out = []
+        for gi, log in enumerate(logs):
+            claimed, unmapped, n, a_over, a_unm = vals[5 * gi: 5 * gi + 5]
+            k = min(claimed, log.capacity)
+            addr = log.addr[:k].clone()
+            if n or a_over or a_unm:
+                cap = self.acc_addr[gi].numel() - 1
+                self.counters["unsettled"] += n - min(n, cap)
+                addr = torch.cat([self.acc_addr[gi][:min(n, cap)].clone(), addr])
+                self.acc_counts[gi].zero_()
+            out.append((addr, claimed - k + a_over, unmapped + a_unm))
+        return out
 
     def _apply(self, gi: int, plan) -> None:
         if plan.empty:
