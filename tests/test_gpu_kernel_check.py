@@ -46,3 +46,31 @@ def test_gpu_kernel_check_on_cpu(tmp_path):
     assert any("settle ensure_resident" in k for k in d["timings"])
     assert d["ok"]
     assert os.environ.get("TRITON_INTERPRET") == before  # set in the subprocess only
+
+
+def test_gpu_runtime_check_on_cpu(tmp_path):
+    """``scripts/gpu_runtime_check.py --device cpu --quick``: the CUDA glue's `CudaRows` step
+    contract in a serving loop reads back every selected row's bytes, with demotions,
+    promotions, staged host rows, chunked calls and frees all > 0, and without vLLM."""
+    out = tmp_path / "runtime.json"
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    env.pop("ULACACHE_FORCE_TRITON", None)
+    proc = subprocess.run(
+        [sys.executable, "-c",
+         "import atexit, sys, runpy\n"
+         "atexit.register(lambda: print('VLLM_IMPORTED', 'vllm' in sys.modules))\n"
+         "sys.argv = sys.argv[1:]\n"
+         "runpy.run_path(sys.argv[0], run_name='__main__')\n",
+         str(REPO / "scripts" / "gpu_runtime_check.py"), "--device", "cpu", "--quick",
+         "--out", str(out)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert "VLLM_IMPORTED False" in proc.stdout, log
+    d = json.loads(out.read_text())
+    assert d["ok"] and {r["row_bytes"] for r in d["runs"]} == {656, 1152}
+    for r in d["runs"]:
+        c = r["counters"]
+        assert r["reads"] > 0 and r["bad_reads"] == 0, r
+        assert min(c["promotions"], c["demotions"], c["staged"], c["chunked_calls"],
+                   r["freed_blocks"]) > 0 and c["overflow"] == 0, r
