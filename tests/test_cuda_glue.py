@@ -823,7 +823,7 @@ def test_device_extra_bytes_are_what_the_rows_allocate_besides_the_pools(staging
     holds. Counted from the tensors CudaRows holds (CPU: no claim table)."""
     from ulacache_vllm.engine.dsa.cuda import MAPPING_BYTES, device_extra_bytes
 
-    groups = [["a", "b"], ["c"]]
+    groups = [["a", "b", "d"], ["c"]]
     rows = CudaRows(groups, row_bytes=FP8_ROW, head_size=D, kv_dtype=torch.uint8,
                     block_size=B, device_slots=2 * B, host_slots=4 * B, staging_rows=staging,
                     num_logical=6 * B, max_tokens=48, device="cpu", lru=lru)
@@ -834,11 +834,14 @@ def test_device_extra_bytes_are_what_the_rows_allocate_besides_the_pools(staging
 
     tensors = [rows.buf, rows.identity, rows.write_errors, rows._ar, rows.state.stamp,
                *rows.write_rows.values(), *rows.acc_addr, *rows.acc_counts, *rows.round_t]
-    for log in [*rows.logs.values(), rows.state.log]:
+    logs = {id(log): log for log in [*rows.logs.values(), rows.state.log]}.values()
+    assert len(logs) == 2 + 1 + 1  # two leaders' logs, one shared by b and d, the state's
+    assert rows.logs["b"] is rows.logs["d"] and rows.logs["b"] is not rows.logs["a"]
+    for log in logs:
         tensors += [log.addr, log.host, log.counts]
-    pools = 3 * rows.P * FP8_ROW
+    pools = 4 * rows.P * FP8_ROW
     small = nbytes([rows.identity, rows.write_errors, rows.state.stamp, *rows.round_t])
-    assert nbytes(tensors) - pools - small == device_extra_bytes(staging, FP8_ROW, 3, 2, 48)
+    assert nbytes(tensors) - pools - small == device_extra_bytes(staging, FP8_ROW, 4, 2, 48)
     # The mapping tables per logical address (sizing counts MAPPING_BYTES per group).
     def tensors_of(obj, depth=2):
         out = [v for v in vars(obj).values() if isinstance(v, torch.Tensor)]

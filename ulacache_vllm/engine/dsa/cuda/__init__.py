@@ -154,9 +154,11 @@ def staging_rows(decode_toks: int, topk: int, host_rows: int, block_size: int) -
 def device_extra_bytes(staging: int, row_bytes: int, layers: int, groups: int,
                        max_tokens: int) -> int:
     """Device bytes `runtime.CudaRows` allocates besides the device pools and the claim table
-    (`CLAIM_BYTES` per logical address): staging rows, a miss log per layer plus the resolve
-    state's (16 B per staging row each), the per-group carry accumulators, the static
-    write-slot buffers (int64 per batch token per layer) and the staging index range."""
+    (`CLAIM_BYTES` per logical address): staging rows, miss logs (one per group leader, one
+    shared by the other layers, the resolve state's: 16 B per staging row each), the per-group
+    carry accumulators, the static write-slot buffers (int64 per batch token per layer) and the
+    staging index range."""
+    logs = groups + (1 if layers > groups else 0) + 1
     acc = groups * (8 * (min(staging, ACC_ROWS) + 1) + 24)
-    return (staging * row_bytes + (layers + 1) * (16 * staging + 8) + acc
+    return (staging * row_bytes + logs * (16 * staging + 8) + acc
             + layers * 8 * max_tokens + 8 * staging)

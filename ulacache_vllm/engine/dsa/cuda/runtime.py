@@ -15,7 +15,8 @@ CPU op reads a pinned buffer before a DMA into it has landed.
 Inside the forward (`resolve_stage`, per sparse layer; fixed shapes, no host reads): the logical
 slots stock's converter produced -> rows of ``[staging | pool]`` through the group's committed
 table (`kernels.resolve_impl(...).resolve`), then the missed rows' bytes from the host pool into
-staging (`stage`). Each layer logs its misses in its own `MissLog`. Staging never overflows
+staging (`stage`). Each group's leader logs its misses in its own `MissLog` (the one the
+settle reads); the other layers share one (read only by their own stage). Staging never overflows
 silently: a call whose shape could have more distinct host misses (min(T x K, host rows)) than
 staging rows raises before any kernel runs, and an overflow the kernels counted anyway raises in
 the next `begin_step` (`StagingOverflowError`).
@@ -118,7 +119,12 @@ class CudaRows:
         self.group_of = {n: gi for gi, g in enumerate(groups) for n in g}
         self.groups = groups
         self.state = ResolveState(num_logical, staging_rows, dev)
-        self.logs = {n: MissLog(staging_rows, dev) for n in self.layers}
+        # Each group's leader logs the group's misses for the settle; the other layers' logs
+        # are only read by their own stage, right after their resolve: one shared log.
+        leaders = {g[0] for g in groups}
+        shared = MissLog(staging_rows, dev) if len(leaders) < L else None
+        self.logs = {n: MissLog(staging_rows, dev) if n in leaders else shared
+                     for n in self.layers}
         # Earlier chunks' misses of a chunked call, per group (addresses, then a dump entry;
         # counts: appended, overflowed, unmapped), and the staging row index range.
         cap = min(staging_rows, ACC_ROWS)
@@ -249,8 +255,8 @@ class CudaRows:
     def begin_step(self, freed_addrs: torch.Tensor | None = None) -> None:
         """Frees, settle, round, writes (module doc); every copy a device op, in stream order."""
         self.counters["steps"] += 1
-        # Each group's leader logs the misses of the group's one top-k (the other layers'
-        # logs hold the same addresses); read before anything changes.
+        # Each group's leader logs the misses of the group's one top-k (the other layers
+        # select the same addresses); read before anything changes.
         taken = self._take_all()
         overflow = sum(t[1] for t in taken)
         if overflow:
