@@ -11,9 +11,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_kernel_check_on_cpu(tmp_path):
-    before = os.environ.get("TRITON_INTERPRET")
-    out = tmp_path / "check.json"
+def _run_on_cpu(script: str, tmp_path, out):
+    """Runs ``scripts/<script> --device cpu --quick --out OUT`` in a subprocess (the Triton
+    interpreter set in its environment only); asserts exit 0 and that it imported no vLLM."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     env.pop("ULACACHE_FORCE_TRITON", None)
     # The script's own exit status, plus whether anything it imported pulled in vLLM.
@@ -23,12 +23,17 @@ def test_gpu_kernel_check_on_cpu(tmp_path):
          "atexit.register(lambda: print('VLLM_IMPORTED', 'vllm' in sys.modules))\n"
          "sys.argv = sys.argv[1:]\n"
          "runpy.run_path(sys.argv[0], run_name='__main__')\n",
-         str(REPO / "scripts" / "gpu_kernel_check.py"), "--device", "cpu", "--quick",
-         "--out", str(out)],
+         str(REPO / "scripts" / script), "--device", "cpu", "--quick", "--out", str(out)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     assert "VLLM_IMPORTED False" in proc.stdout, log
+
+
+def test_gpu_kernel_check_on_cpu(tmp_path):
+    before = os.environ.get("TRITON_INTERPRET")
+    out = tmp_path / "check.json"
+    _run_on_cpu("gpu_kernel_check.py", tmp_path, out)
     d = json.loads(out.read_text())
     assert d["env"]["device"] == "cpu" and d["env"]["triton_interpret"] == "1"
     names = [c["name"] for c in d["parity"]]
@@ -53,20 +58,7 @@ def test_gpu_runtime_check_on_cpu(tmp_path):
     contract in a serving loop reads back every selected row's bytes, with demotions,
     promotions, staged host rows, chunked calls and frees all > 0, and without vLLM."""
     out = tmp_path / "runtime.json"
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env.pop("ULACACHE_FORCE_TRITON", None)
-    proc = subprocess.run(
-        [sys.executable, "-c",
-         "import atexit, sys, runpy\n"
-         "atexit.register(lambda: print('VLLM_IMPORTED', 'vllm' in sys.modules))\n"
-         "sys.argv = sys.argv[1:]\n"
-         "runpy.run_path(sys.argv[0], run_name='__main__')\n",
-         str(REPO / "scripts" / "gpu_runtime_check.py"), "--device", "cpu", "--quick",
-         "--out", str(out)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, log
-    assert "VLLM_IMPORTED False" in proc.stdout, log
+    _run_on_cpu("gpu_runtime_check.py", tmp_path, out)
     d = json.loads(out.read_text())
     assert d["ok"] and {r["row_bytes"] for r in d["runs"]} == {656, 1152}
     for r in d["runs"]:
