@@ -178,16 +178,10 @@ def _build_default_model(mtp: bool = False) -> str:
 
 
 def _spec_config(arg: str | None) -> dict | None:
-    """``--spec METHOD[:K]`` as vLLM's speculative_config (as hybrid_capacity.py's)."""
-    if not arg:
-        return None
-    method, _, k = arg.partition(":")
-    if method == "mtp":
-        return {"method": "mtp", "num_speculative_tokens": int(k or 2)}
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": int(k or 3),
-                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    raise SystemExit(f"--spec {arg}: method must be mtp or ngram")
+    """``--spec METHOD[:K]`` as vLLM's speculative_config (None without one)."""
+    from _spec import spec_config
+
+    return spec_config(arg) or None
 
 
 def main() -> None:

@@ -576,15 +576,9 @@ def _dsa_model(args) -> str:
 
 def _spec_config(arg: str) -> dict:
     """``--spec METHOD[:K]`` as vLLM's speculative_config ({} without --spec)."""
-    if not arg:
-        return {}
-    method, _, k = arg.partition(":")
-    if method == "mtp":
-        return {"method": "mtp", "num_speculative_tokens": int(k or 2)}
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": int(k or 3),
-                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    raise SystemExit(f"--spec {arg}: method must be mtp or ngram")
+    from _spec import spec_config
+
+    return spec_config(arg)
 
 
 def _rup(x: float, a: int) -> int:

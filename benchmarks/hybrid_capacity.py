@@ -304,16 +304,10 @@ def _model_path(name: str, mtp: bool = False) -> str:
 
 
 def _spec_config(arg: str | None) -> dict | None:
-    """``--spec METHOD[:K]`` as vLLM's speculative_config (n-gram: lookup of 1..3 tokens)."""
-    if not arg:
-        return None
-    method, _, k = arg.partition(":")
-    if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": int(k or 3),
-                "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    if method == "mtp":
-        return {"method": "mtp", "num_speculative_tokens": int(k or 2)}
-    raise SystemExit(f"--spec {arg}: method must be ngram or mtp")
+    """``--spec METHOD[:K]`` as vLLM's speculative_config (None without one)."""
+    from _spec import spec_config
+
+    return spec_config(arg) or None
 
 
 def _fmt(v, spec=".1f"):
