@@ -177,6 +177,14 @@ def _build_default_model(mtp: bool = False) -> str:
     return str(path)
 
 
+def _print_remote(results: dict) -> None:
+    """Per configuration with TP shard rows: remote rows fetched / buffer hits per rank."""
+    for name, r in results.items():
+        if "remote" in r:
+            print(f"  {name}: remote rows fetched / buffer hits per rank: "
+                  + ", ".join(f"{x['remote_rows_fetched']}/{x['remote_hits']}" for x in r["remote"]))
+
+
 def _spec_config(arg: str | None) -> dict | None:
     """``--spec METHOD[:K]`` as vLLM's speculative_config (None without one)."""
     from _spec import spec_config
@@ -360,10 +368,7 @@ def main_tp(args) -> None:
           f"{summary['shard_host_vs_physical_bound']:.0%} of the physical bound P*(D+H); "
           f"batch-1 TPOT shard/stock = {summary['tpot_ratio_shard_vs_stock']:.3f}, "
           f"replicate/stock = {summary['tpot_ratio_replicate_vs_stock']:.3f}")
-    for name, r in results.items():
-        if "remote" in r:
-            print(f"  {name}: remote rows fetched / buffer hits per rank: "
-                  + ", ".join(f"{x['remote_rows_fetched']}/{x['remote_hits']}" for x in r["remote"]))
+    _print_remote(results)
     out = Path(args.out) / (f"capacity_tp{P}_quick" if args.quick else f"capacity_tp{P}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(
@@ -426,10 +431,7 @@ def main_tp_spec(args) -> None:
               f"{sd.get('num_draft_tokens', 0):>9.0f} {sd.get('num_accepted_tokens', 0):>8.0f} "
               f"{sd.get('acceptance', 0):>6.3f} {r['tpot_ms']:>8.2f}  "
               f"{r.get('load_tokens_identical_to_stock', '-')}")
-    for name, r in results.items():
-        if "remote" in r:
-            print(f"  {name}: remote rows fetched / buffer hits per rank: "
-                  + ", ".join(f"{x['remote_rows_fetched']}/{x['remote_hits']}" for x in r["remote"]))
+    _print_remote(results)
     summary = {}
     if stock is not None:
         for name, r in results.items():
