@@ -131,8 +131,8 @@ def servers(tiny_model, tmp_path_factory):
     # The move-fault control file (`engine/faults.py`): absent, so no faults, until a
     # test writes one.
     with serve_many([
-            dict(model=model, log=log, extra_args=[],
-                 env_extra={FAULTS_ENV: str(_faults_file(log)), **binds[0]}),
+            dict(model=model, log=log, extra_args=HOLDABLE_ARGS,
+                 env_extra={FAULTS_ENV: str(_faults_file(log)), **HOLDABLE_ENV, **binds[0]}),
             dict(model=model, log=stock_log, extra_args=[], env_extra=binds[1],
                  backend="vllm")]) as (base, stock_base):
         yield (base, str(model), log), stock_base
@@ -168,13 +168,15 @@ def _growing_prompts(n: int, growth: int) -> list[str]:
             for i in range(n)]
 
 
-def concurrent_greedy(base, model, n: int, growth: int, stock: str | None = None) -> list[dict]:
+def concurrent_greedy(base, model, n: int, growth: int, stock: str | None = None,
+                      log: Path | None = None) -> list[dict]:
     """``n`` concurrent 32-token greedy completions of prompts growing by ``growth`` words;
     checks their lengths and that a repeat of one gives the same text (greedy is
     deterministic, whichever engine serves it). With ``stock`` (a stock server's base URL)
-    the same prompts go to it too, at the same time, and every text must be stock's."""
+    the same prompts go to it too, at the same time, and every text must be stock's. With
+    ``log`` the ulacache server admits the batch together (`admitted_together`)."""
     prompts = _growing_prompts(n, growth)
-    outs, ref = _both(base, stock, model, prompts, 32)
+    outs, ref = _both(base, stock, model, prompts, 32, log)
     assert all(o["usage"]["completion_tokens"] == 32 for o in outs)
     if stock is not None:
         _assert_texts_equal(outs, ref)
@@ -183,13 +185,46 @@ def concurrent_greedy(base, model, n: int, growth: int, stock: str | None = None
     return outs
 
 
-def _both(base, stock, model, prompts, n):
+@contextlib.contextmanager
+def admitted_together(base: str, log: Path, n: int, timeout: float = 120):
+    """Holds the server's scheduler while the ``with`` body sends ``n`` requests, and lets it
+    go once the API server has handed all ``n`` to the engine: they are scheduled together,
+    so a batch that outgrows the device pool does so on every host, however the client
+    threads happen to be spread (a tiny model finishes a request in well under a second, so
+    a late thread can otherwise start after the first ones ended, and no row ever moves).
+
+    vLLM's own dev-mode endpoints (``VLLM_SERVER_DEV_MODE=1``): ``/pause?mode=keep`` freezes
+    scheduling and ``/resume`` releases it; the API server logs "Added request" (with
+    ``--enable-log-requests``) once an add is sent, and the engine core reads adds and the
+    resume from one socket in order, so every counted add is queued before the resume."""
+    start = len(log.read_text())
+    r = requests.post(base + "/pause", params={"mode": "keep", "clear_cache": "false"},
+                      timeout=30)
+    r.raise_for_status()
+    try:
+        yield
+        deadline = time.time() + timeout
+        while log.read_text()[start:].count("Added request") < n:
+            assert time.time() < deadline, f"the {n} requests did not reach the engine"
+            time.sleep(0.05)
+    finally:
+        requests.post(base + "/resume", timeout=30).raise_for_status()
+
+
+# What `admitted_together` needs of a server (its dev endpoints and its add log lines).
+HOLDABLE_ARGS = ["--enable-log-requests", "--max-log-len", "0"]
+HOLDABLE_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+
+
+def _both(base, stock, model, prompts, n, log: Path | None = None):
     """Greedy ``n``-token completions of every prompt from the ulacache server and, when
     ``stock`` is given, from the stock server, all at once; returns (ulacache completions,
-    stock completions or None)."""
+    stock completions or None). With ``log`` (the ulacache server's, started with
+    ``HOLDABLE_ARGS``/``HOLDABLE_ENV``) its requests are `admitted_together`."""
     with cf.ThreadPoolExecutor(2 * len(prompts)) as ex:
-        ula = [ex.submit(_complete, base, model, p, n) for p in prompts]
         ref = [ex.submit(_complete, stock, model, p, n) for p in prompts] if stock else None
+        with admitted_together(base, log, len(prompts)) if log else contextlib.nullcontext():
+            ula = [ex.submit(_complete, base, model, p, n) for p in prompts]
         return [f.result() for f in ula], None if ref is None else [f.result() for f in ref]
 
 
@@ -222,7 +257,7 @@ def test_concurrent_completions_equal_stock_and_move_ulacache_metrics(server, st
     (rows demoted and promoted)."""
     base, model, log = server
     before = requests.get(base + "/metrics", timeout=10).text
-    concurrent_greedy(base, model, n=8, growth=15, stock=stock)
+    concurrent_greedy(base, model, n=8, growth=15, stock=stock, log=log)
     after = _pools_back_to_zero(base)
     moved = _moved(before, after)
     assert all(v > 0 for v in moved.values()), (moved, after[-3000:])
@@ -351,10 +386,10 @@ def _arm(log: Path, **spec) -> None:
 def pressure_batch(server, stock):
     """Eight concurrent greedy completions that outgrow the device pool (rows are demoted
     and promoted), served without faults, each the stock server's text: (prompts, texts)."""
-    base, model, _ = server
+    base, model, log = server
     prompts = _growing_prompts(8, 15)
     m0 = requests.get(base + "/metrics", timeout=10).text
-    outs, ref = _both(base, stock, model, prompts, 32)
+    outs, ref = _both(base, stock, model, prompts, 32, log)
     m1 = _pools_back_to_zero(base)
     moved = _moved(m0, m1)
     assert moved["demotions"] > 0 and moved["promotions"] > 0, moved
@@ -370,8 +405,9 @@ def test_stalled_moves_change_no_output(server, pressure_batch):
     _arm(log, fault="stall", seconds=0.4, count=4)
     try:
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
-            futs = [ex.submit(_stream, base, model, p, 32, 2 if i == 5 else None)
-                    for i, p in enumerate(prompts)]
+            with admitted_together(base, log, len(prompts)):
+                futs = [ex.submit(_stream, base, model, p, 32, 2 if i == 5 else None)
+                        for i, p in enumerate(prompts)]
             got = [f.result() for f in futs]
     finally:
         _faults_file(log).write_text("")
@@ -397,7 +433,9 @@ def test_a_failed_move_ends_its_requests_with_an_error_and_no_other(server, pres
     _arm(log, fault="raise", moves=["demote", "promote"], skip=2, count=1)
     try:
         with cf.ThreadPoolExecutor(len(prompts)) as ex:
-            res = list(ex.map(post, prompts))
+            with admitted_together(base, log, len(prompts)):
+                futs = [ex.submit(post, p) for p in prompts]
+            res = [f.result() for f in futs]
     finally:
         _faults_file(log).write_text("")
     failed = [i for i, r in enumerate(res) if r.status_code != 200]

@@ -17,8 +17,8 @@ import re
 import pytest
 import requests
 
-from test_serve import (_assert_texts_equal, _both, _metric, _moved, _pools_back_to_zero,
-                        concurrent_greedy, serve_many)
+from test_serve import (HOLDABLE_ARGS, HOLDABLE_ENV, _assert_texts_equal, _both, _metric, _moved,
+                        _pools_back_to_zero, concurrent_greedy, serve_many)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -38,7 +38,8 @@ def dp_servers(tiny_model, tmp_path_factory):
     model = tiny_model("deepseek_v32", first_k_dense_replace=2)  # both layers dense MLP
     d = tmp_path_factory.mktemp("serve_dp")
     log, stock_log = d / "serve.log", d / "stock.log"
-    with serve_many([dict(model=model, log=log, extra_args=["--data-parallel-size", "2"]),
+    with serve_many([dict(model=model, log=log, env_extra=HOLDABLE_ENV,
+                          extra_args=["--data-parallel-size", "2", *HOLDABLE_ARGS]),
                      dict(model=model, log=stock_log, extra_args=[], backend="vllm")],
                     timeout=400) as (base, stock):
         yield (base, str(model), log), stock
@@ -50,7 +51,7 @@ def test_dp_ranks_equal_stock_and_move_their_own_tiers(dp_servers):
     demoted to its host pool and promoted back (its own lookups, capacity, startup line)."""
     (base, model, log), stock = dp_servers
     before = requests.get(base + "/metrics", timeout=10).text
-    concurrent_greedy(base, model, n=16, growth=8, stock=stock)
+    concurrent_greedy(base, model, n=16, growth=8, stock=stock, log=log)
     text = _pools_back_to_zero(base)
     cap = _per_engine(text, "vllm:ulacache_device_capacity")
     assert set(cap) == {"0", "1"} and all(v > 0 for v in cap.values()), text[-3000:]
@@ -72,8 +73,9 @@ def dp_prefix_server(tiny_model, tmp_path_factory):
     it off; the later flag wins): base URL, model, log."""
     model = tiny_model("deepseek_v32", first_k_dense_replace=2)
     log = tmp_path_factory.mktemp("serve_dp_prefix") / "serve.log"
-    with serve_many([dict(model=model, log=log,
-                          extra_args=["--data-parallel-size", "2", "--enable-prefix-caching"])],
+    with serve_many([dict(model=model, log=log, env_extra=HOLDABLE_ENV,
+                          extra_args=["--data-parallel-size", "2", "--enable-prefix-caching",
+                                      *HOLDABLE_ARGS])],
                     timeout=400) as (base,):
         yield base, str(model), log
 
@@ -107,7 +109,7 @@ def test_dp_prefix_caching_hits_across_tiers_and_equals_stock(dp_prefix_server, 
     _, stock = dp_servers
     before = requests.get(base + "/metrics", timeout=10).text
     for wave in _shared_prefix_waves():
-        outs, ref = _both(base, stock, model, wave, 24)
+        outs, ref = _both(base, stock, model, wave, 24, log)
         _assert_texts_equal(outs, ref)
     after = requests.get(base + "/metrics", timeout=10).text
     grew = {k: _metric(after, k) - _metric(before, k) for k in (
