@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import pytest
 
+from ulacache_vllm.engine.arena.sizing import ARENA_BLOCK_SIZE
+
 from _vllm_subprocess import (ABORT_TWO_OF_FOUR, check_aborts, run_vllm_script,
                               tp_omp_bind)
 
@@ -199,6 +201,9 @@ def test_qwen3_next_mtp_same_schedule_parity_with_forced_moves(qwen3_next_mtp):
     # kind's page holds the conv state widened by the 2 drafts.
     assert set(u["kinds"]) == {"state", "full"}, u
     assert u["kinds"]["full"]["layers"] == 2, u
+    # The arena's attention page stays its default with the MTP drafter loaded (the drafter's
+    # config copy once reset it to the CPU build's 128: sizing.prepare).
+    assert u["kinds"]["full"]["block_size"] == ARENA_BLOCK_SIZE, u
     assert u["kinds"]["state"]["pages_per_request"] == 1 + MTP["num_speculative_tokens"], u
     _check_clean(ula["usage_end"][0])
 

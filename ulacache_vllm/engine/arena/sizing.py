@@ -328,6 +328,13 @@ def prepare(vllm_config: Any, settings: UlaSettings) -> None:
     cc = vllm_config.cache_config
     if not getattr(cc, "user_specified_block_size", False):
         cc.block_size = ARENA_BLOCK_SIZE
+        # Marked as chosen, so vLLM's later copies of the config keep it: the MTP drafter's
+        # `dataclasses.replace(vllm_config, ...)` (v1/spec_decode/llm_base_proposer.py
+        # `_create_draft_vllm_config`) re-runs `VllmConfig.__post_init__`, whose CPU platform
+        # hook resets an unchosen block size to 128 on the shared cache config
+        # (platforms/cpu.py `check_and_update_config`); stock re-aligns it afterwards, the
+        # arena skips that alignment (patches/hybrid_block_size.py).
+        cc.user_specified_block_size = True
     if cc.enable_prefix_caching and getattr(cc, "mamba_cache_mode", "none") == "align":
         # A state checkpoint per attention page (vLLM re-syncs this in the block-size
         # alignment the arena skips): hits land on the same boundaries in every group, and no
