@@ -95,13 +95,15 @@ class Sim:
         self.req = torch.arange(N)
         self.times = {k: [] for k in PHASES}
         self.outs = []
-        # begin_step split (exclusive, thread CPU): settle lookups, writes' assign, the moves
-        # (`_apply`: copies + commit), the rest (frees, rounds, bookkeeping).
+        # begin_step split (exclusive, thread CPU): settle lookups, writes' assign, the two as
+        # one plan (`_settle_and_write`), the moves (`_apply`: copies + commit), the rest
+        # (frees, rounds, bookkeeping).
         self.split = {k: 0.0 for k in SPLIT}
         self._stack: list = []
         for attr, key in (("_settle", "settle"), ("_prepare_writes", "writes"),
-                          ("_apply", "copies")):
-            setattr(self.st, attr, self._timed(getattr(self.st, attr), key))
+                          ("_settle_and_write", "settle_writes"), ("_apply", "copies")):
+            if hasattr(self.st, attr):  # (a tree from before the merged plan has no such step)
+                setattr(self.st, attr, self._timed(getattr(self.st, attr), key))
 
     def _timed(self, fn, key):
         def wrapper(*a, **k):
@@ -200,9 +202,9 @@ class Sim:
         return out
 
 
-SPLIT = ("settle", "writes", "copies")
-PHASES = ("begin", "settle", "writes", "copies", "begin_rest", "kv_write", "resolve", "stage",
-          "attend", "attend_plain", "step")
+SPLIT = ("settle", "writes", "settle_writes", "copies")
+PHASES = ("begin", "settle", "writes", "settle_writes", "copies", "begin_rest", "kv_write",
+          "resolve", "stage", "attend", "attend_plain", "step")
 
 
 def run_worker(args) -> dict:

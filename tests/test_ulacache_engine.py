@@ -114,6 +114,8 @@ def test_token_exact_parity_under_pressure(runs):
     assert m["vllm:ulacache_demotions"] > 0 and m["vllm:ulacache_promotions"] > 0, m
     assert m["vllm:ulacache_lookups"] > m["vllm:ulacache_hits"] > 0, m
     assert m["vllm:ulacache_bytes_moved"] > 0, m
+    # Steps that settled last step's host reads and assigned new rows in one move plan.
+    assert ula["usage_end"]["totals"]["merged_plans"] > 0, ula["usage_end"]["totals"]
     want = "exact_ts" if name == "glm_dsa" else "rounds"  # see the ``runs`` fixture
     assert set(ula["usage_end"]["victim_paths"]) == {want}, ula["usage_end"]
     # It started in identity placement and left it when the device pool overflowed.
@@ -335,6 +337,7 @@ def test_tensor_parallel_2_shard_parity_under_pressure(tp2):
         assert u["tp_mode"] == "shard" and u["totals"]["replica_exits"] >= 1, u
         t = u["totals"]
         assert t["demotions"] > 0 and t["promotions"] > 0, t
+        assert t["merged_plans"] > 0, t  # settles and writes moved as one plan
         assert t["remote_rows_fetched"] > 0 and t["remote_hits"] > 0, t
         assert u["device_used"] == 0 and u["host_used"] == 0 and u["remote_used"] == 0, u
     assert ula["usage"][0]["totals"] != ula["usage"][1]["totals"]  # shards, not replicas

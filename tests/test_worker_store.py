@@ -330,3 +330,47 @@ def test_move_faults_are_off_by_default_and_armed_from_the_control_file(tmp_path
     f.before_copy("promote", 4)
     with pytest.raises(ValueError, match="unknown moves"):
         MoveFaults(moves=("teleport",))
+
+
+@pytest.mark.parametrize("fault", [None, "demote", "promote"])
+def test_a_steps_settle_and_writes_move_as_one_plan(fault):
+    """Decode steps that each read host rows and then write new rows: the next step's settle
+    (promotions) and writes (slots) come from ONE plan per group (`settle_and_assign`: one
+    victim selection, one set of copies), and every row still reads exactly. A copy failing
+    in that plan drops only the entries it moved, never the step's new rows (assigned again
+    and written); their blocks are reported, and once freed the tables are consistent."""
+    from ulacache_vllm.engine.faults import MoveFaults
+
+    store, mods = make_store(device_slots=64, host_slots=512)
+    live = _fill(store, mods)
+    g = torch.Generator().manual_seed(3)
+    nxt = int(live.max()) + 1
+    base = store.counters.merged_plans
+    for s in range(6):
+        picks = torch.stack([live[torch.randperm(live.numel(), generator=g)[:8]]
+                             for _ in range(4)])
+        mapped = store.groups[0].mapping.loc.index_select(0, picks.flatten()).view_as(picks) >= 0
+        got = read_all(mods, picks, torch.arange(4))
+        for li, name in enumerate(mods):
+            assert torch.equal(got[name][mapped], _row(picks[mapped], li))
+        if fault and s == 2:
+            store.faults = MoveFaults(fault="raise", moves=(fault,), count=1)
+        new = torch.arange(nxt, nxt + 4)
+        nxt += 4
+        step(store, mods, new)
+        live = torch.cat([live, new])
+        if fault and s == 2:
+            assert store.faults.fired == 1
+            for gr in store.groups:  # the new rows survived the failed plan, and read back
+                assert bool((gr.mapping.loc.index_select(0, new) >= 0).all())
+            got = read_all(mods, new.unsqueeze(0), torch.zeros(1, dtype=torch.int64))
+            for li, name in enumerate(mods):
+                assert torch.equal(got[name][0], _row(new, li))
+    assert store.counters.merged_plans - base == 6 * len(store.groups)
+    assert store.counters.promotions > 0 and store.counters.demotions > 0
+    blocks = store.take_lost_blocks()
+    assert bool(blocks) == bool(fault)
+    if blocks:
+        store.begin_step(sorted(blocks), {})
+        live = live[~torch.isin(live // BS, torch.tensor(sorted(blocks)))]
+    _check_tables(store, mods, live)

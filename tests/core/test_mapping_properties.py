@@ -20,6 +20,10 @@ op = st.one_of(
               st.integers(0, 2**31)),
     st.tuples(st.just("advance")),
     st.tuples(st.just("free"), st.integers(0, 5)),
+    # The engine's step: last step's selection settled and this step's rows assigned as one
+    # plan (`settle_and_assign`), across a round boundary.
+    st.tuples(st.just("settle_append"), st.lists(st.integers(0, 5), max_size=3),
+              st.integers(0, 2**31), st.integers(0, 5), st.integers(0, 12)),
 )
 
 
@@ -86,7 +90,50 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
         counter[0] += 1
         return counter[0]
 
+    def selection(reqs, seed):
+        g = torch.Generator().manual_seed(seed)
+        parts = []
+        for r in reqs:
+            if lens[r]:
+                k = int(torch.randint(1, lens[r] + 1, (1,), generator=g))
+                parts.append(r * 64 + torch.randint(0, lens[r], (k,), generator=g))
+        return parts
+
     for o in ops:
+        if o[0] == "settle_append":
+            _, reqs, seed, r, n = o
+            sel = torch.cat(selection(reqs, seed) + [torch.tensor([-1])])  # + padding
+            n = max(0, min(n, 30 - lens[r], dev_slots // 2))
+            new = torch.arange(r * 64 + lens[r], r * 64 + lens[r] + n)
+            uniq = sorted(set(sel.tolist()) - {-1})
+            t0, _ = tier_and_slot(m, uniq)
+            misses = {a for a, t in zip(uniq, t0.tolist()) if t == HOST}
+            snap = (m.loc.clone(), m.dev.num_free, m.host.num_free, m.stats.plans)
+            out = m.settle_and_assign(sel, new)
+            if out is None:  # not applicable: nothing changed, the engine goes one by one
+                assert torch.equal(m.loc, snap[0]) and (m.dev.num_free, m.host.num_free,
+                                                        m.stats.plans) == snap[1:]
+                assert len(misses) + n > m.dev.num_free, "refused with free room"
+                check_invariants(m, store, live)
+                continue
+            slots, plan = out
+            assert slots.shape == new.shape
+            plan.apply(store.copy_fn)
+            if n:
+                vals = [value() for _ in range(n)]
+                store.write(DEVICE, slots, torch.tensor(vals))
+                live.update(zip(new.tolist(), vals))
+                lens[r] += n
+            # The misses were promoted and the new rows sit where the call said.
+            if misses:
+                t, _ = tier_and_slot(m, sorted(misses))
+                assert (t == DEVICE).all(), "a settled miss is not device-resident"
+            if n:
+                t, s_ = tier_and_slot(m, new)
+                assert (t == DEVICE).all() and torch.equal(s_, slots)
+            round_touched = misses | set(new.tolist())  # the new round's working set so far
+            check_invariants(m, store, live)
+            continue
         if o[0] == "append":
             _, r, n = o
             n = min(n, 30 - lens[r], dev_slots // 2)
@@ -217,6 +264,36 @@ def test_staging_when_host_full():
     assert (t[:4] == DEVICE).all() and (t[4:] == HOST).all()
     vals = torch.where(t == DEVICE, store.bufs[DEVICE][s, 0], store.bufs[HOST][s, 0])
     assert torch.equal(vals, 100 + torch.arange(8))
+
+
+def test_settle_and_assign_swaps_through_staging_and_refuses_what_cannot_fit():
+    """The merged settle + writes plan: with both pools full, the selection's host rows come
+    back through staging while their device victims take the host slots they vacate, and the
+    new entries land on victim slots, all data where the tables say. A step that needs more
+    victims than the device holds (or host slots than there are) is refused with nothing
+    changed; so is a re-assignment (the engine then goes one call at a time)."""
+    m = TieredMapping(16, 4, 6, lru="pblru", ring_size=8)
+    store = RowStore(4, 6)
+    for a in range(8):
+        slots, plan = m.assign(torch.tensor([a]))
+        plan.apply(store.copy_fn)
+        store.write(DEVICE, slots, torch.tensor([100 + a]))
+        m.advance_round()
+    assert m.device_used == 4 and m.host_used == 4  # 0-3 on the host, 4-7 on the device
+    # 2 misses + 2 new rows: 4 victims, 2 free host slots + the 2 the misses vacate.
+    slots, plan = m.settle_and_assign(torch.tensor([0, 1, 0, -1, 5]), torch.tensor([8, 9]))
+    assert plan.num_staged == 2 and plan.demote_src_device.numel() == 4
+    plan.apply(store.copy_fn)
+    store.write(DEVICE, slots, torch.tensor([108, 109]))
+    t, s = tier_and_slot(m, torch.arange(10))
+    assert t[[0, 1, 8, 9]].eq(DEVICE).all() and m.device_used == 4 and m.host_used == 6
+    vals = torch.where(t == DEVICE, store.bufs[DEVICE][s.clamp(max=3), 0], store.bufs[HOST][s, 0])
+    assert torch.equal(vals, 100 + torch.arange(10))
+    assert torch.equal(m.loc, m.visible)
+    before = m.loc.clone()
+    assert m.settle_and_assign(torch.tensor([2, 3]), torch.arange(10, 13)) is None  # 5 > 4
+    assert m.settle_and_assign(torch.tensor([-1]), torch.tensor([8])) is None  # re-assign
+    assert torch.equal(m.loc, before) and m.device_used == 4 and m.host_used == 6
 
 
 def test_capacity_error_and_unassigned():

@@ -372,6 +372,73 @@ class TieredMapping:
                               torch.cat([pdst, (HOST << SLOT_BITS) | hdst]))
         return slots_out(), plan
 
+    def settle_and_assign(self, selected: torch.Tensor, new: torch.Tensor):
+        """One step's two requests as ONE plan: ``ensure_resident(selected,
+        drop_unmapped=True)`` in the current round, ``advance_round``, then ``assign(new)`` in
+        the next round. The misses' promotions and the new entries' slots come from one
+        victim selection, so one set of demotions serves both (victims: any slot not used in
+        the new round, the previous round's hits included, least recent first).
+
+        Returns ``(device_slots of new, plan)`` like ``assign``; apply the plan before the
+        forward writes the new rows. Returns ``None`` with nothing changed (not even the
+        round) when the merged call does not apply: a new address is already mapped
+        (re-assignment), or the misses and new entries need more victims than the device
+        pool holds or host slots than the host has; the caller then makes the two calls one
+        by one (``ensure_resident`` splits an oversized selection)."""
+        sel, _ = self._addrs(selected, "settle_and_assign")
+        new, shape = self._addrs(new, "settle_and_assign")
+        _, _, u = self._local_unique(sel)
+        is_new, nidx, w = self._local_unique(new)
+        nlv = self.loc.index_select(0, w)
+        if bool((nlv >= 0).any()):
+            return None
+        lv = self.loc.index_select(0, u)
+        keep = lv >= 0  # entries freed since they were read are skipped (drop_unmapped)
+        u, lv = K.compact(u, keep), K.compact(lv, keep)
+        tier = lv >> SLOT_BITS
+        miss = K.compact(u, tier == HOST)
+        m, nw = miss.numel(), w.numel()
+        k = m + nw - self.dev.num_free
+        # Room, checked before any change: in the new round every occupied slot may be a
+        # victim (the policy tracks exactly the occupied slots), and each needs a host slot:
+        # a free one or one a promotion of this plan vacates (staged, as in ensure_resident).
+        if k > 0 and (k > self.dev.num_used or k > self.host.num_free + m):
+            return None
+        self.policy.hit_touch(lv)  # the ending round's hits (device entries)
+        self.policy.advance_round()
+        mv = K.compact(lv, tier == HOST)
+        psrc = mv & SLOT_MASK
+        entries = torch.cat([miss, w]) if m else w
+        n = m + nw
+        f = min(n, self.dev.num_free)
+        e = self._empty
+        if k > 0:
+            try:
+                victims, ventries, hdst, c = self._victims_to_host(k, entries[f:], psrc)
+            except CapacityError:
+                raise RuntimeError("settle_and_assign: victims short after the room check "
+                                   "(policy and pool disagree)") from None
+        else:
+            victims, ventries, hdst, c = e, e, e, 0
+        free_slots = self.dev.alloc(entries[:f])
+        dst = torch.cat([free_slots, victims]) if k > 0 else free_slots
+        self.host.release(psrc[c:])  # the first c were re-owned by demotions
+        self.loc.scatter_(0, entries, dst)
+        self.policy.touch(dst)
+        nh = u.numel()
+        self.stats.lookups += nh
+        self.stats.hits += nh - m
+        self.stats.promotions += m
+        self.stats.assigned += nw
+        slots = self._slots_out(is_new, nidx, shape)
+        if k <= 0 and m == 0:  # nothing to copy: the new entries are visible at once
+            self.visible.scatter_(0, entries, dst)
+            return slots, self._empty_plan()
+        plan = self._new_plan(victims, hdst, psrc, dst[:m], c,
+                              torch.cat([entries, ventries]),
+                              torch.cat([dst, (HOST << SLOT_BITS) | hdst]))
+        return slots, plan
+
     def free(self, addrs: torch.Tensor) -> int:
         """Release entries (device or host); never-assigned addresses (also those past the
         address space) are ignored."""

@@ -32,6 +32,7 @@ class StoreCounters:
     demotions: int = 0
     bytes_moved: int = 0
     fallback_chunks: int = 0  # settles that promoted only part of a step's working set
+    merged_plans: int = 0  # steps of a layer group whose settle and writes made one plan
     fast_path_exits: int = 0
     replica_exits: int = 0  # TP shard mode: switches from replicated rows to shards
     # TP shard mode: unique remote rows read per step, those found in the remote-row buffer,

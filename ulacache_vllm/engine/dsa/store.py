@@ -18,6 +18,9 @@ The worker contract, stated once (`tests/test_worker_store.py` checks each claus
   3. *round*: the LRU rings advance;
   4. *writes*: this step's new rows get device slots (`assign`, demoting victims) and the
      translated write rows are fixed for the forward.
+  Under mapped placement, a group with both a selection to settle and rows to write does 2-4 as
+  one move plan (`TieredMapping.settle_and_assign`: one victim selection, one set of copies;
+  ``counters.merged_plans``), and one by one where that plan does not apply.
   Every move follows `TieredMapping.apply`'s rule: copy the bytes, then commit the mapping.
 * **Inside the forward**, per layer group, fixed-shape tensor work only (no host reads, no
   moves, no data-dependent shapes): *resolve* maps each selected logical address through the
@@ -222,6 +225,8 @@ class UlaWorkerStore(ShardedRows):
             if self.exchange is not None:
                 self.exchange.step = self.step
             freed = self._free(freed_blocks)
+            writes = slot_mappings or {}
+            deferred: dict[int, torch.Tensor] = {}  # settled with the writes, one plan
             for g in self.groups:
                 sel = torch.cat([x.reshape(-1) for x in g.selected]) if g.selected else None
                 if g.remote is not None:
@@ -233,6 +238,9 @@ class UlaWorkerStore(ShardedRows):
                     g.fetched.clear()
                 if not self.identity:
                     if sel is not None:
+                        if writes.get(g.layers[0]) is not None:
+                            deferred[g.gid] = sel
+                            continue
                         self._settle(g, self.shard.local(sel) if self.shard else sel)
                     g.mapping.advance_round()
             for g in self.groups:
@@ -240,8 +248,7 @@ class UlaWorkerStore(ShardedRows):
                 g.read_step, g.read = -1, None
                 g.write_key = g.write_rows = None
             if self.shard is not None:  # every rank tracks every live address, once a step
-                sms = [sm for g in self.groups
-                       if (sm := (slot_mappings or {}).get(g.layers[0])) is not None]
+                sms = [sm for g in self.groups if (sm := writes.get(g.layers[0])) is not None]
                 if sms:
                     valid = sms[0].reshape(-1).long()
                     valid = valid[valid >= 0]
@@ -249,8 +256,13 @@ class UlaWorkerStore(ShardedRows):
                     self.glive.index_fill_(0, valid, True)
             self._identity_writes = (self.step, None, None)
             for g in self.groups:
-                sm = (slot_mappings or {}).get(g.layers[0])
-                if sm is not None:
+                sm = writes.get(g.layers[0])
+                if sm is None:
+                    continue
+                sel = deferred.get(g.gid)
+                if sel is not None:
+                    self._settle_and_write(g, sel, sm)
+                else:
                     self._prepare_writes(g, sm)
             self._identity_writes = None  # shared by this loop only (not by in-forward writes)
             for g in self.groups:
@@ -311,6 +323,38 @@ class UlaWorkerStore(ShardedRows):
             self.counters.hits += m.stats.hits - before_h
             self._apply(g, plan)
             return
+
+    def _settle_and_write(self, g: _Group, sel: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Settle, round and writes of ``g`` (mapped placement: not identity, not replicas) as
+        ONE move plan (`TieredMapping.settle_and_assign`: one victim selection, one set of
+        copies); one by one where the merged plan does not apply."""
+        m = g.mapping
+        local = self.shard.local(sel) if self.shard is not None else sel
+        with self.timed("write"):
+            sm = slot_mapping.reshape(-1).long()
+            if g.remote is not None:
+                # As in `_prepare_writes`: a written address's buffered copy is stale now.
+                g.remote.invalidate(sm[sm >= 0])
+            if self.shard is not None:
+                sm = self.shard.local(sm)
+            before_l, before_h = m.stats.lookups, m.stats.hits
+            out = m.settle_and_assign(local, sm)
+            if out is not None:
+                self.trace.record(self.step, g.gid, "append", slot_mapping)
+                self.counters.lookups += m.stats.lookups - before_l
+                self.counters.hits += m.stats.hits - before_h
+                self.counters.merged_plans += 1
+                slots, plan = out
+                if not self._apply(g, plan, fresh=sm):
+                    # As in `_prepare_writes`: the new entries lost only their slots.
+                    slots, plan = m.assign(sm)
+                    self._apply(g, plan)
+                g.write_key = slot_mapping
+                g.write_rows = slots.masked_fill(slots < 0, self.trash_slot)
+                return
+        self._settle(g, local)
+        m.advance_round()
+        self._prepare_writes(g, slot_mapping)
 
     def _prepare_writes(self, g: _Group, slot_mapping: torch.Tensor) -> None:
         """Device rows for this step's new tokens of ``g`` (padding and, in TP shard mode,

@@ -93,6 +93,8 @@ class DsaWorker(LineWorker):
             # TP shard mode (0 otherwise): unique remote entries read per step, buffer hits,
             # rows and bytes fetched from their owners.
             "replica_exits": t["replica_exits"],
+            # Group steps whose settle and writes moved rows as one plan (no TP shard).
+            "merged_plans": t["merged_plans"],
             "remote_lookups": t["remote_lookups"],
             "remote_hits": t["remote_hits"],
             "remote_rows_fetched": t["remote_rows_fetched"],
