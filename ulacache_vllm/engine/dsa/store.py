@@ -30,7 +30,7 @@ The worker contract, stated once (`tests/test_worker_store.py` checks each claus
   writes go to a trash row past the pool.
 * Exception: a layer whose write slots were not in the pre-forward context (an MTP draft layer
   writes in the drafter's own forward) assigns them on first use, inside that forward.
-* A failed copy (`_apply`) never kills the engine and is never read: the move's entries are
+* A failed copy (`moves.TierMoves._apply`) never kills the engine and is never read: the move's entries are
   dropped from the tables, their logical blocks are reported to the scheduler as KV load
   errors (the connector's `get_block_ids_with_load_errors`), and vLLM ends the requests that
   own them with an error. This step's new entries hold no data yet and are assigned again.
@@ -54,14 +54,14 @@ from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 import torch
-from vllm.logger import init_logger
 
-from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
+from ulacache_vllm.core.mapping import TieredMapping
 from ulacache_vllm.core.pools import CapacityError
 from ulacache_vllm.core.remote_buffer import RemoteRowBuffer
 
 from ..config import UlaSettings
 from ..faults import MoveFaults
+from .moves import TierMoves
 from .tp_shard import IndexerShard, ShardedRows, TokenShard, TPExchange
 from .counters import StoreCounters, Timer
 from .trace import StepTrace
@@ -69,8 +69,6 @@ from .translator import GroupTranslator
 
 if TYPE_CHECKING:
     from .sizing import UlaLayout
-
-logger = init_logger("vllm.ulacache.worker_store")
 
 
 @dataclass
@@ -101,7 +99,7 @@ class _Group:
     fetched: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class UlaWorkerStore(ShardedRows):
+class UlaWorkerStore(TierMoves, ShardedRows):
     def __init__(self, layout: UlaLayout, settings: UlaSettings, layers: dict, device: torch.device,
                  trace_file: str | None = None, exchange: TPExchange | None = None):
         self.layout = layout
@@ -415,98 +413,6 @@ class UlaWorkerStore(ShardedRows):
                 self._prepare_writes(g, key)
         self.identity = False
         self.counters.fast_path_exits += 1
-
-    def copy_fn(self, g: _Group):
-        """Copies byte rows of every layer of ``g`` between tiers (device, host, staging)."""
-        def copy(src_tier, src, dst_tier, dst):
-            need = src.numel() if STAGING in (src_tier, dst_tier) else 0
-            if self.faults is not None:
-                self.faults.before_copy("stage" if need else
-                                        "demote" if src_tier == DEVICE else "promote",
-                                        int(src.numel()))
-            for name in g.layers:
-                s = self._bytes(g, name, src_tier, need)
-                d = self._bytes(g, name, dst_tier, need)
-                if s.dtype != d.dtype:  # a staging buffer of another width (never on CPU)
-                    s, d = s.view(torch.uint8), d.view(torch.uint8)
-                # One op per copy, on the destination's device: the gather runs where the
-                # source lives and lands before the scatter reads it (stream order on CUDA
-                # needs a device-side view of the host pool; the CPU backend reads it directly).
-                d.index_copy_(0, dst.to(d.device), s.index_select(0, src.to(s.device)).to(d.device))
-            if src_tier != dst_tier and STAGING not in (src_tier, dst_tier):
-                self.counters.bytes_moved += int(src.numel()) * g.row_bytes
-            return None
-        return copy
-
-    def _bytes(self, g: _Group, name: str, tier: int, need: int) -> torch.Tensor:
-        """The rows of ``tier`` for a copy, viewed in the widest integer type dividing a row
-        (`_wide`): a uint8 row gather-scatter moves one byte per element, ~6x the time of
-        the same rows as int64 on CPU."""
-        if tier == DEVICE:
-            return self._wide_rows[name][0]
-        if tier == HOST:
-            return self._wide_rows[name][1]
-        buf = g.staging.get(name)
-        if buf is None or buf.shape[0] < need:
-            buf = torch.empty(max(need, 64), self.layout.mla_row_bytes[name], dtype=torch.uint8,
-                              device=self.device)
-            g.staging[name] = buf
-        return self._wide(buf)
-
-    @staticmethod
-    def _wide(rows: torch.Tensor) -> torch.Tensor:
-        """``uint8 [R, B]`` rows as the widest of int64 / int32 / int16 whose size divides
-        ``B`` (the same bytes, a view)."""
-        b = rows.shape[1]
-        for dt, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-            if b % w == 0 and rows.storage_offset() % w == 0:
-                return rows.view(dt)
-        return rows
-
-    def _apply(self, g: _Group, plan, fresh: torch.Tensor | None = None) -> bool:
-        """Copies the plan's rows, then commits it; False if a copy failed.
-
-        A failed copy (an exception from the copy; `move_faults` injects them in tests) must
-        never let a request read rows that were not fully moved, nor kill the engine (vLLM
-        ends the engine core on any exception in a step): `TieredMapping.apply` drops the
-        plan's entries (unmapped, slots back in the pools, so the tables stay consistent), and
-        their logical blocks go to `lost_blocks`, which the connector reports to the
-        scheduler as KV load errors: vLLM ends the requests owning them with an error
-        (``kv_load_failure_policy="fail"``) before it emits this step's tokens of theirs.
-        ``fresh``: this step's write addresses (local); their entries hold no data yet, so
-        they are not lost (the caller assigns them again)."""
-        if plan.empty:
-            return True
-        if plan.demote_src_device.numel():
-            g.host_live = True  # (a draft layer's in-forward writes may demote)
-        try:
-            with self.timed("copy"):
-                g.mapping.apply(plan, self.copy_fn(g))
-        except Exception as err:  # noqa: BLE001 - any copy failure: see the docstring
-            lost = plan._entries  # what `apply` dropped (core/mapping.py module doc)
-            if fresh is not None:
-                lost = lost[~torch.isin(lost, fresh)]
-            self._lost(lost, err)
-            return False
-        self.counters.promotions += int(plan.promote_src_host.numel())
-        self.counters.demotions += int(plan.demote_src_device.numel())
-        return True
-
-    def _lost(self, local: torch.Tensor, err: Exception) -> None:
-        """Records entries a failed move dropped (local addresses) as lost logical blocks."""
-        addrs = local if self.shard is None else local * self.shard.world + self.shard.rank
-        blocks = torch.unique(addrs // self.layout.block_size).tolist()
-        self.lost_blocks.update(blocks)
-        self.counters.failed_copies += 1
-        self.lost_entries += int(local.numel())
-        self._usage_changed = True
-        logger.error("ulacache: a row copy failed (%s: %s); %d entries of %d logical blocks "
-                     "dropped, their requests end with an error", type(err).__name__, err,
-                     int(local.numel()), len(blocks))
-
-    def take_lost_blocks(self) -> set[int]:
-        out, self.lost_blocks = self.lost_blocks, set()
-        return out
 
     def usage(self) -> dict[str, int]:
         n = len(self.groups)
