@@ -143,6 +143,50 @@ def test_moves_keep_every_page_and_one_fence_per_step(executor):
     assert not [f for f in mgr.arena.ledger.open_fences() if f.label != "null page"]
 
 
+def test_a_running_request_takes_vllms_steps_once(monkeypatch):
+    """A running request's tokens without a hits object (the manager's own path for them)
+    and with an empty one (through vLLM's ``allocate_slots``) place the same pages and give
+    the same block tables, plans and figures, window frees and moves included; only the
+    second runs vLLM's ``allocate_slots``."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    calls = []
+    real = KVCacheManager.allocate_slots
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(KVCacheManager, "allocate_slots", spy)
+    traces = {}
+    for path in ("own", "vllm"):
+        mgr = _manager(total_pages=48, force_moves=3)
+        eng = Engine(mgr)
+        reqs = [_request(f"r{i}", (2 + i) * BS + 7) for i in range(4)]
+        eng.step({r: r.num_tokens for r in reqs})
+        calls.clear()
+        kw = {} if path == "own" else {"new_computed_blocks": mgr.empty_kv_cache_blocks}
+
+        def schedule():
+            for r in reqs:
+                assert mgr.allocate_slots(r, 1, **kw) is not None
+            return {r: 1 for r in reqs}
+
+        trace = []
+        for _ in range(2 * BS):
+            for r in reqs:
+                r.append_output_token_ids(5)
+            Harness.step(eng, schedule)
+            p = eng.plan
+            trace.append(([mgr.get_block_ids(r.request_id) for r in reqs], p.vids.tolist(),
+                          p.granules.tolist(), p.zero.tolist(), [c.tolist() for c in p.copies],
+                          mgr.stats()))
+        traces[path] = trace
+        assert len(calls) == (0 if path == "own" else 2 * BS * len(reqs))
+    assert traces["own"] == traces["vllm"]
+    assert any(t[4] for t in traces["own"]) and any(t[3] for t in traces["own"])
+
+
 def _run_with_faults(faults, seed: int, steps: int = 36):
     """Five requests decoding with a compaction or relayout every 2 steps and holes punched
     in both bands, the worker's copies under ``faults``. Every page not reported lost keeps

@@ -197,3 +197,39 @@ def test_bool_kind_keys_and_negative_rows_are_refused():
     for bad in (-1, 2):
         with pytest.raises(IndexError):
             k.row_offset(bad)
+
+
+def test_placement_version_names_one_placement():
+    """Every change of placement gives a new version (never an earlier one back); fences,
+    polls and a refused demand on an unchanged arena leave it."""
+    a = Arena(6 * U, [kind("A", Band.LOW, U), kind("H", Band.HIGH, 2 * U)], alignment=U)
+    seen = {a.placement_version: a.placement()[0].copy()}
+
+    def step(changed: bool) -> None:
+        v, v2p = a.placement_version, a.placement()[0].copy()
+        if not changed:
+            assert v == max(seen) and np.array_equal(v2p, seen[v])
+            return
+        assert v > max(seen), (v, sorted(seen))
+        seen[v] = v2p
+
+    a.admit("r1", {"A": 1})
+    step(True)
+    a.admit("r2", {"A": 1})
+    step(True)
+    r3 = a.admit("r3", {"A": 1})
+    step(True)
+    a.register_use(r3.vids["A"], a.fence("fwd"))
+    a.ledger.poll()
+    step(False)
+    a.free("r1")
+    step(True)
+    res = a.admit("r4", {"H": 2})  # moves pages, finds no room, rolls them back
+    assert not res.ok
+    step(True)  # the same tables as before, under a version of their own
+    assert a.admit("r4", {"H": 2}).ok is False  # refused again, nothing tried
+    step(False)
+    if a.compact():
+        step(True)
+    a.free("r2")
+    step(True)

@@ -123,6 +123,20 @@ class Arena:
         return v2p, kind
 
     @property
+    def version(self) -> int:
+        """Bumped by every change of the placement, the free bytes or the withheld bytes
+        (allocation, free, move, a fence passing; a failed ladder's undo brings back the
+        tables and the version they had). ``stats`` counts shortfalls without a bump."""
+        return self._version
+
+    @property
+    def placement_version(self) -> int:
+        """Changes with every change of :meth:`placement` (allocation, release, move, a failed
+        ladder's undo) and never comes back: while it is unchanged, so is the placement (a
+        mirror of the tables can skip its diff)."""
+        return self._ids.version
+
+    @property
     def num_pages(self) -> int:
         """Live pages (every kind)."""
         return len(self._ids)
@@ -318,7 +332,9 @@ class Arena:
         return self._space.copy(), self._ids.copy(), dict(self.stats), self._version
 
     def _restore(self, saved) -> None:
+        version = self._ids.version
         self._space, self._ids, self.stats, self._version = saved
+        self._ids.version = version + 1  # a version never names two different tables
 
     def _changed(self) -> None:
         self._version += 1

@@ -1,7 +1,8 @@
 """Virtual page ids: stable handles for callers, with the v2p / p2v tables that change on moves.
 
 Callers (block tables, prefix cache, connectors) hold virtual ids only; compaction and relayout
-rewrite ``v2p`` and ``p2v`` here and nowhere else. Freed ids are recycled.
+rewrite ``v2p`` and ``p2v`` here and nowhere else. Freed ids are recycled. ``version`` counts
+the changes of the tables (allocate, release, move).
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ class VirtualIds:
         self._kind = np.full(capacity, -1, dtype=np.int32)
         self._p2v: dict[int, int] = {}
         self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self.version = 0
 
     def copy(self) -> "VirtualIds":
         new = object.__new__(VirtualIds)
         new._v2p, new._kind = self._v2p.copy(), self._kind.copy()
         new._p2v, new._free = dict(self._p2v), list(self._free)
+        new.version = self.version
         return new
 
     def __len__(self) -> int:
@@ -46,6 +49,7 @@ class VirtualIds:
         n = len(offsets)
         if n > len(self._free):
             self._grow(n - len(self._free))
+        self.version += 1
         vids = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
         del self._free[len(self._free) - n:]
         self._v2p[vids] = offsets
@@ -56,6 +60,7 @@ class VirtualIds:
 
     def release(self, vids: np.ndarray) -> np.ndarray:
         offs = self.v2p(vids)
+        self.version += 1
         for p in offs.tolist():
             del self._p2v[p]
         self._v2p[vids] = UNMAPPED
@@ -65,6 +70,7 @@ class VirtualIds:
 
     def move(self, vids: np.ndarray, new_offsets: np.ndarray) -> None:
         old = self.v2p(vids)
+        self.version += 1
         for p in old.tolist():
             del self._p2v[p]
         for v, p in zip(np.asarray(vids).tolist(), np.asarray(new_offsets).tolist()):

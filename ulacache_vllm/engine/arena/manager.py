@@ -13,9 +13,12 @@ rewrites no block table: the worker translates vids to granules before every for
 - Every change of placement (allocations, moves, the copy plan, pages to zero) is collected
   into the step's :class:`ArenaStepPlan`, shipped to the worker by the connector and applied
   before that step's forward.
-- One ledger fence per engine step: the pages a step allocates or moves are registered with
+- One ledger fence per engine step that allocates or moves pages: they are registered with
   it; it passes when the scheduler has processed that step's output. Withheld bytes make the
   scheduler wait (``has_pending_block_frees``) instead of preempting.
+- A running request's next tokens (no admission, no prefix hits) take vLLM's own steps for
+  that case directly, each counted once (``_allocate_running``); everything else goes
+  through vLLM's ``allocate_slots`` after the arena placed the pages.
 - vid 0 is the null page: the null block of every manager, pinned, never freed.
 
 Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
@@ -40,306 +43,19 @@ Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
 from __future__ import annotations
 
 import copy
-import heapq
-import itertools
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
-import numpy as np
-from vllm.distributed.kv_events import AllBlocksCleared
-from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
-from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.logger import init_logger
+from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import RequestStatus
 
-from ulacache_vllm.arena import Arena, Band, KindSpec, RowSpec
-
 from ..line import LineManager, layout_of
+from .pools import NULL_KIND, ArenaBlockPool, ArenaStepPlan, ArenaState
+
+__all__ = ["ArenaKVCacheManager", "ArenaStepPlan"]
 
 logger = init_logger("vllm.ulacache.arena")
 
-NULL_KIND = "null"
-
-
-@dataclass
-class ArenaStepPlan:
-    """What the worker does before a step's forward, in this order: the copy steps (each a
-    ``(k, 3)`` array of src, dst, nbytes; sources of a step read before any write), the v2g
-    updates (``vids`` placed at ``granules``, pages of ``sizes`` bytes), then zero the new
-    pages (byte offset, nbytes)."""
-
-    copies: list = field(default_factory=list)
-    vids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    granules: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    zero: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
-    stats: dict = field(default_factory=dict)
-    seq: int = 0  # the engine step (its fence passes when the scheduler processed it)
-
-    def __bool__(self) -> bool:
-        return bool(self.copies) or bool(len(self.vids)) or bool(len(self.zero))
-
-
-def arena_kinds(layout) -> list[KindSpec]:
-    """The null kind (index 0) and one kind per KV cache group (index = group + 1)."""
-    kinds = [KindSpec(NULL_KIND, Band.LOW, (RowSpec("page", (layout.null_page_bytes,), "uint8"),))]
-    for g in layout.groups:
-        rows = tuple(RowSpec(n, (g.layer_page_bytes,), "uint8") for n in g.layer_names)
-        kinds.append(KindSpec(g.kind, Band(g.band), rows))
-    return kinds
-
-
-class _ArenaState:
-    """The arena plus this step's staged vids and accumulated plan (shared by the pools)."""
-
-    def __init__(self, layout) -> None:
-        self.layout = layout
-        self.arena = Arena(layout.total_bytes, arena_kinds(layout), alignment=layout.alignment)
-        assert self.arena.alignment == layout.alignment, "page bytes must divide the alignment"
-        res = self.arena.allocate({NULL_KIND: 1})
-        vid = int(res.virtual_page_ids[NULL_KIND][0]) if res.ok else -1
-        if vid != 0 or int(self.arena.v2p([0])[0]) != 0:
-            raise RuntimeError("ulacache arena: the null page must be vid 0 at byte 0")
-        # Pinned for good: never moved, never freed (the null block of every manager).
-        self.arena.register_use([0], self.arena.fence("null page"))
-        self.null_block = KVCacheBlock(0)
-        self.null_block.is_null = True
-        self.staged: dict[int, list[int]] = {}
-        self.copies: list[np.ndarray] = []
-        self.new: list[int] = []  # vids allocated since the last plan (zeroed by the worker)
-        self._sent = np.full(0, -1, np.int64)  # the v2p table the worker has (vid 0 included)
-        self.dirty = False  # pages freed since the last plan (the worker's figures are stale)
-        self.min_page = min(self.arena.page_bytes[1:])
-        # Prefix caching: every live vid's one KVCacheBlock, the kind pools (each with its LRU
-        # of free-but-cached pages), the LRU clock, and whether vLLM's allocate_slots runs.
-        self.live: dict[int, KVCacheBlock] = {}
-        self.pools: list = []
-        self.lru_stamp: dict[int, int] = {}
-        self.clock = itertools.count()
-        self.allocating = False
-        self.cache_stats = {"cached_pages_moved": 0, "cache_evictions": 0}
-
-    # A per-kind page demand this large means "not this step" (Mamba's same-step-hit sentinel).
-    DEFER = 1 << 40
-
-    def release(self, vids) -> None:
-        for v in vids:
-            self.live.pop(v, None)
-        self.arena.release(np.asarray(vids, np.int64))
-        self.dirty = True
-
-    def cached_free_bytes(self) -> int:
-        page = self.arena.page_bytes
-        return sum(len(p.lru) * page[p._kind] for p in self.pools)
-
-    def evict_for(self, need_bytes: int, keep: set[int]) -> int:
-        """The arena's reclaim: evict the coldest free-but-cached pages (not in ``keep``: a
-        request's own hits) until ``need_bytes`` are free; returns the pages evicted."""
-        page = self.arena.page_bytes
-        n = 0
-        while self.arena.free_bytes < need_bytes:
-            # Each pool's LRU is in stamp order: merge their cold ends lazily, take victims
-            # worth the deficit (bytes a fence withholds come back later: loop).
-            short = need_bytes - self.arena.free_bytes
-            merged = heapq.merge(*(self._cold(p) for p in self.pools))
-            victims = []
-            for _, v, pool in merged:
-                if v in keep:
-                    continue
-                victims.append((v, pool))
-                short -= page[pool._kind]
-                if short <= 0:
-                    break
-            if not victims:
-                break
-            for v, pool in victims:
-                pool.evict_page(self.live[v])
-                if v in pool.lru:  # never loop on a page that stayed cached
-                    raise RuntimeError(f"ulacache arena: evicting cached page {v} left it "
-                                       "in its pool's LRU (pool bookkeeping diverged)")
-            n += len(victims)
-        self.cache_stats["cache_evictions"] += n
-        return n
-
-    def _cold(self, pool):
-        # One generator per pool (binds ``pool`` now: a nested generator expression would
-        # late-bind the loop variable and name the last pool for every victim).
-        stamp = self.lru_stamp
-        return ((stamp[v], v, pool) for v in pool.lru)
-
-    def staged_count(self) -> int:
-        return sum(len(v) for v in self.staged.values())
-
-    def changed_vids(self) -> np.ndarray:
-        """Live vids whose placement changed since the last plan (allocated or moved): one
-        vectorised comparison of the v2p table against the one the worker has."""
-        v2p, _ = self.arena.placement()
-        if len(self._sent) < len(v2p):
-            self._sent = np.concatenate([self._sent, np.full(len(v2p) - len(self._sent), -1)])
-        changed = np.flatnonzero(v2p != self._sent[:len(v2p)])
-        return changed[v2p[changed] >= 0]
-
-    def take_plan(self, changed: np.ndarray, stats: dict) -> ArenaStepPlan:
-        v2p, kind = self.arena.placement()
-        offs = v2p[changed]
-        self._sent = v2p.copy()
-        page_bytes = np.asarray(self.arena.page_bytes, np.int64)
-        new = np.unique(np.asarray(self.new, np.int64))
-        new = new[v2p[new] >= 0] if len(new) else new
-        if self.live and len(changed):
-            # Cached pages (held or free-but-cached) this plan moves: the copy is in the plan,
-            # their vids (and hashes) stay.
-            moved = np.setdiff1d(changed, new)
-            self.cache_stats["cached_pages_moved"] += sum(
-                1 for v in moved.tolist()
-                if v in self.live and self.live[v].block_hash is not None)
-        zero = np.zeros((0, 2), np.int64)
-        if len(new):
-            zero = np.stack([v2p[new], page_bytes[kind[new]]], axis=1)
-        plan = ArenaStepPlan(self.copies, changed, offs // self.layout.alignment,
-                             page_bytes[kind[changed]], zero, stats)
-        self.copies, self.new = [], []
-        return plan
-
-    def record_moves(self, plan) -> None:
-        self.copies.extend(plan.steps)
-
-
-class ArenaBlockPool(BlockPool):
-    """A vLLM block pool over arena pages of one kind (``kind`` None: the front pool the
-    coordinator and scheduler see; it forwards frees and evictions to each block's own pool
-    and reports bytes as usage).
-
-    Prefix caching: one persistent ``KVCacheBlock`` per live vid (``_ArenaState.live``),
-    hashed by vLLM's own ``cache_full_blocks``. A hashed page whose last holder frees it stays
-    live in this pool's LRU (``lru``, coldest first) and is hittable; it goes back to the arena
-    only when the arena's reclaim evicts it (``_ArenaState.evict_for``), through
-    ``evict_blocks`` or ``reset_prefix_cache``. Unhashed pages go back at once."""
-
-    def __init__(self, state: _ArenaState, kind: int | None, hash_block_size: int,
-                 enable_caching: bool = False, enable_kv_cache_events: bool = False) -> None:
-        super().__init__(1, enable_caching=enable_caching, hash_block_size=hash_block_size,
-                         enable_kv_cache_events=enable_kv_cache_events)
-        self._state = state
-        self._kind = kind
-        self.null_block = state.null_block
-        self.blocks = []  # no per-block list: vids are created on allocation
-        self.lru: OrderedDict[int, KVCacheBlock] = OrderedDict()  # free-but-cached pages
-        if kind is not None:
-            # Mamba's "hit made this step, retry next step" sentinel (num_gpu_blocks + 1)
-            # must read as a demand no arena fits (``_ArenaState.DEFER``).
-            self.num_gpu_blocks = _ArenaState.DEFER - 1
-            state.pools.append(self)
-
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
-        st = self._state
-        staged = st.staged.get(self._kind, [])
-        if num_blocks > len(staged):
-            raise ValueError(f"ulacache arena: {num_blocks} pages of kind {self._kind} taken, "
-                             f"{len(staged)} staged (the allocation count diverged)")
-        vids, st.staged[self._kind] = staged[:num_blocks], staged[num_blocks:]
-        out = []
-        for v in vids:
-            if v in st.live:
-                raise RuntimeError(f"ulacache arena: vid {v} handed out while still live")
-            blk = KVCacheBlock(v, pool=self)
-            blk.ref_cnt = 1
-            st.live[v] = blk
-            out.append(blk)
-        return out
-
-    def free_blocks(self, ordered_blocks) -> None:
-        dead, others = [], {}
-        for blk in ordered_blocks:
-            if blk.is_null:
-                continue
-            if blk.pool is not None and blk.pool is not self:
-                others.setdefault(blk.pool, []).append(blk)
-                continue
-            blk.ref_cnt -= 1
-            if blk.ref_cnt == 0:
-                if self.enable_caching and blk.block_hash is not None:
-                    self.lru[blk.block_id] = blk  # cold end last: evicted after older pages
-                    self._state.lru_stamp[blk.block_id] = next(self._state.clock)
-                else:
-                    dead.append(blk.block_id)
-        if dead:
-            self._state.release(dead)
-        for pool, blocks in others.items():
-            pool.free_blocks(blocks)
-
-    def touch(self, blocks) -> None:
-        for blk in blocks:
-            if blk.is_null:
-                continue
-            if blk.ref_cnt == 0:
-                self.lru.pop(blk.block_id)
-                self._state.lru_stamp.pop(blk.block_id, None)
-            blk.ref_cnt += 1
-
-    def get_num_free_blocks(self) -> int:
-        st = self._state
-        if st.allocating:  # inside allocate_slots: the arena already placed every page
-            return 1 << 62
-        return (st.arena.free_bytes + st.cached_free_bytes()) // st.min_page
-
-    def get_usage(self) -> float:
-        # Free-but-cached pages count as free, as in stock vLLM.
-        st = self._state
-        a = st.arena
-        null = a.page_bytes[0]
-        used = a.used_bytes - null - st.cached_free_bytes()
-        return used / max(1, a.total_bytes - null)
-
-    def evict_page(self, blk: KVCacheBlock) -> bool:
-        """Drop ``blk``'s hashes; a page no request holds goes back to the arena."""
-        evicted = self._maybe_evict_cached_block(blk)
-        if blk.ref_cnt == 0 and self.lru.pop(blk.block_id, None) is not None:
-            self._state.lru_stamp.pop(blk.block_id, None)
-            self._state.release([blk.block_id])
-        return evicted
-
-    def evict_blocks(self, block_ids) -> None:
-        live = self._state.live
-        for vid in block_ids:
-            blk = live.get(int(vid))
-            if blk is not None:
-                blk.pool.evict_page(blk)
-
-    def reset_prefix_cache(self) -> bool:
-        st = self._state
-        held = len(st.live) - sum(len(p.lru) for p in st.pools)
-        if held:
-            if self._kind is None or self is st.pools[0]:  # (once per reset, not per pool)
-                logger.warning("Failed to reset prefix cache because some pages (%d) are not "
-                               "freed yet", held)
-            return False
-        if self._kind is None:
-            pools = st.pools
-        else:
-            pools = [self]
-        for pool in pools:
-            vids = list(pool.lru)
-            pool.lru.clear()
-            for v in vids:
-                st.lru_stamp.pop(v, None)
-                st.live[v].reset_hash()
-            if vids:
-                st.release(vids)
-            pool.cached_block_hash_to_block = BlockHashToBlockMap()
-            pool.cached_block_hashes_by_block.clear()
-            if pool.enable_kv_cache_events:
-                pool.kv_event_queue.append(AllBlocksCleared())
-        return True
-
-    def take_events(self):
-        if self._kind is not None:
-            return super().take_events()
-        out = []
-        for pool in self._state.pools:
-            out.extend(pool.take_events())
-        return out
+_WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
 class ArenaKVCacheManager(LineManager, KVCacheManager):
@@ -352,7 +68,7 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         super().__init__(small, *args, **kwargs)
         self.kv_cache_config = kv_cache_config
         self.layout = layout
-        st = self._state = _ArenaState(layout)
+        st = self._state = ArenaState(layout)
         hbs = self.coordinator.block_pool.hash_block_size
         events = self.coordinator.block_pool.enable_kv_cache_events
         for i, mgr in enumerate(self.coordinator.single_type_managers):
@@ -390,6 +106,10 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         if num_external_computed_tokens or num_encoder_tokens:
             raise NotImplementedError("ulacache arena: external KV and encoder tokens are not "
                                       "supported")
+        if (new_computed_blocks is None and not full_sequence_must_fit and not delay_cache_blocks
+                and request.status not in _WAITING):
+            return self._allocate_running(request, num_new_tokens, num_new_computed_tokens,
+                                          num_lookahead_tokens)
         hits = (new_computed_blocks.blocks if new_computed_blocks is not None
                 else self.empty_kv_cache_blocks.blocks)
         # Free-but-cached pages this request hits: touched by vLLM below, so they are neither
@@ -402,10 +122,8 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         reclaimable = st.cached_free_bytes() - hit_bytes
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens,
                              self.max_model_len)
-        prefill_end = max(request.num_prompt_tokens, request.num_tokens - 1)
-        if self.coordinator.retention_interval != 0:
-            prefill_end = 0
-        waiting = request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        prefill_end = self._prefill_end(request)
+        waiting = request.status in _WAITING
         watermark = self._watermark_bytes if has_scheduled_reqs and waiting else 0
         for b in hit_free:
             b.ref_cnt += 1
@@ -431,27 +149,8 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         finally:
             for b in hit_free:
                 b.ref_cnt -= 1
-        if any(n >= st.DEFER for n in demands.values()):
+        if demands and not self._place(demands, watermark, hit_bytes, keep):
             return None
-        if demands:
-            need = sum(n * page[k] for k, n in demands.items()) + watermark
-            reclaimable = st.cached_free_bytes() - hit_bytes  # (window frees may add pages)
-            if need > self.arena.free_bytes + reclaimable:
-                return None
-            if need > self.arena.free_bytes:
-                st.evict_for(need, keep)
-            want = {self.arena.kinds[k].name: n for k, n in demands.items()}
-            res = self.arena.allocate(want)
-            while not res.ok and st.evict_for(
-                    self.arena.free_bytes + max(res.shortfall_bytes, st.min_page), keep):
-                res = self.arena.allocate(want)  # free bytes too scattered: reclaim more
-            if not res.ok:
-                return None
-            st.record_moves(res.copy_plan)
-            for name, vids in res.virtual_page_ids.items():
-                k = self.arena.kind_index(name)
-                st.staged[k] = vids.tolist()
-                st.new.extend(st.staged[k])
         st.allocating = True
         try:
             return super().allocate_slots(
@@ -460,7 +159,74 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
                 num_lookahead_tokens=num_lookahead_tokens,
                 delay_cache_blocks=delay_cache_blocks, has_scheduled_reqs=has_scheduled_reqs)
         finally:
-            st.allocating = False
+            self._staged_taken()
+
+    def _allocate_running(self, request, num_new_tokens, num_new_computed_tokens,
+                          num_lookahead_tokens):
+        """``allocate_slots`` of a request that is neither admitted nor given prefix hits (a
+        running request's next tokens): vLLM's own steps for that case (its
+        ``allocate_slots`` without hits, delayed caching or watermark), each counted once."""
+        if num_new_tokens == 0 and num_new_computed_tokens == 0:
+            raise ValueError("num_new_tokens must be greater than 0 when there are no "
+                             "computed tokens to adopt")
+        local = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(local, self.max_model_len)
+        rid = request.request_id
+        self.coordinator.remove_skipped_blocks(
+            rid, max(0, total_computed - request.num_in_flight_tokens),
+            num_prompt_tokens=request.num_prompt_tokens)
+        main = total_computed + num_new_tokens
+        need_slot = min(main + num_lookahead_tokens, self.max_model_len)
+        demands = self._group_counts(request, need_slot, local, main,
+                                     self._prefill_end(request), False)
+        if demands and not self._place(demands, 0, 0, set()):
+            return None
+        self._state.allocating = True
+        try:
+            new_blocks = self.coordinator.allocate_new_blocks(rid, need_slot, main)
+            self.coordinator.cache_blocks(request, min(main, request.num_tokens))
+        finally:
+            self._staged_taken()
+        return self.create_kv_cache_blocks(new_blocks)
+
+    def _prefill_end(self, request) -> int:
+        if self.coordinator.retention_interval != 0:
+            return 0
+        return max(request.num_prompt_tokens, request.num_tokens - 1)
+
+    def _place(self, demands: dict[int, int], watermark: int, hit_bytes: int,
+               keep: set[int]) -> bool:
+        """Place a step's new pages of every kind at once (reclaiming cold cached pages, not
+        ``keep``, when the free bytes fall short) and stage their vids for vLLM's managers;
+        False: they do not fit (nothing placed)."""
+        st = self._state
+        if any(n >= st.DEFER for n in demands.values()):
+            return False
+        page = self.arena.page_bytes
+        need = sum(n * page[k] for k, n in demands.items()) + watermark
+        reclaimable = st.cached_free_bytes() - hit_bytes  # (window frees may add pages)
+        if need > self.arena.free_bytes + reclaimable:
+            return False
+        if need > self.arena.free_bytes:
+            st.evict_for(need, keep)
+        want = {self.arena.kinds[k].name: n for k, n in demands.items()}
+        res = self.arena.allocate(want)
+        while not res.ok and st.evict_for(
+                self.arena.free_bytes + max(res.shortfall_bytes, st.min_page), keep):
+            res = self.arena.allocate(want)  # free bytes too scattered: reclaim more
+        if not res.ok:
+            return False
+        st.record_moves(res.copy_plan)
+        for name, vids in res.virtual_page_ids.items():
+            k = self.arena.kind_index(name)
+            st.staged[k] = vids.tolist()
+            st.new.extend(st.staged[k])
+        return True
+
+    def _staged_taken(self) -> None:
+        st = self._state
+        st.allocating = False
+        if st.staged:
             left = st.staged_count()
             st.staged.clear()
             if left:
@@ -505,9 +271,9 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         st = self._state
         changed = st.changed_vids()
         seq = self.step_seq
-        fence = self.arena.fence(f"step {seq}", query=lambda s=seq: self.processed_seq >= s)
         self.fences["opened"] += 1
-        if len(changed):
+        if len(changed):  # (a fence over no page would never be open: none is made)
+            fence = self.arena.fence(f"step {seq}", query=lambda s=seq: self.processed_seq >= s)
             self.arena.register_use(changed, fence)
         self.arena.ledger.poll()
         st.dirty = False
@@ -517,6 +283,19 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         return plan
 
     def stats(self) -> dict:
+        a, st = self.arena, self._state
+        cached = sum(len(p.lru) for p in st.pools)
+        key = (a.version, a.stats["shortfalls"], cached, *st.cache_stats.values())
+        if st.stats_cache[0] != key:  # (rebuilt only when a figure can have changed)
+            st.stats_cache = (key, self._arena_stats(cached))
+        out = dict(st.stats_cache[1])
+        out["arena_used_by_kind"] = dict(out["arena_used_by_kind"])
+        out["arena_fences_opened"] = self.fences["opened"]
+        out["arena_fences_passed"] = self.fences["opened"] - len(
+            [f for f in a.ledger.open_fences() if f.label != "null page"])
+        return out
+
+    def _arena_stats(self, cached_free_pages: int) -> dict:
         a = self.arena
         used: dict[str, int] = {}
         for k, b in a.usage_by_kind().items():
@@ -536,12 +315,9 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             "arena_bytes_copied": s["bytes_copied"],
             "arena_shortfalls": s["shortfalls"],
             "arena_live_pages": a.num_pages - 1,
-            "arena_cached_free_pages": sum(len(p.lru) for p in self._state.pools),
+            "arena_cached_free_pages": cached_free_pages,
             "arena_cached_pages_moved": self._state.cache_stats["cached_pages_moved"],
             "arena_cache_evictions": self._state.cache_stats["cache_evictions"],
-            "arena_fences_opened": self.fences["opened"],
-            "arena_fences_passed": self.fences["opened"] - len(
-                [f for f in a.ledger.open_fences() if f.label != "null page"]),
         }
 
     def has_pending_frees(self) -> bool:

@@ -30,6 +30,10 @@ from ..metrics import ARENA_COUNTERS, UlaStats, arena_gauges, per_rank_gauges
 
 logger = logging.getLogger("vllm.ulacache.arena_worker")
 LOOP_MIN_BYTES = 16 << 10  # CPU: ranges this large on average are copied slice by slice
+# The scheduler's figures the connector stats are made of (counters, and gauges with the
+# bytes per kind): while they and the failed copies stay, there is nothing to report.
+_REPORTED = ARENA_COUNTERS + ("arena_used_bytes", "arena_free_bytes", "arena_withheld_bytes",
+                              "arena_total_bytes", "arena_used_by_kind")
 
 
 class BadBytes:
@@ -99,6 +103,9 @@ class ArenaWorker(LineWorker):
         self.faults = faults  # test-only (`move_faults`); None: no fault can fire
         self.lost: set[int] = set()  # vids whose bytes a failed copy lost, not yet reported
         self._reported: dict = {}  # counters and gauges as last sent (`stats`)
+        self._sig = None  # the figures `stats` last looked at
+        self._on_cpu = first.device.type == "cpu"
+        self._rows: dict = {}  # per block table: its tensors, row count and flat views
 
     def before_step(self, plan) -> None:
         # Copies, v2g updates and zeroing land before vLLM commits this step's block tables.
@@ -205,7 +212,12 @@ class ArenaWorker(LineWorker):
         """The arena's counters as increments since the last report, its gauges as they are;
         sent when they changed: the scheduler's counters (in the plan's stats) and this
         worker's failed copies."""
-        s = {**self.stats_seen, "failed_copies": self.counters["failed_copy_steps"]}
+        seen, failed = self.stats_seen, self.counters["failed_copy_steps"]
+        sig = (failed, *(seen.get(k) for k in _REPORTED))
+        if sig == self._sig:  # what the last call saw: it reported it, or found nothing new
+            return None
+        self._sig = sig
+        s = {**seen, "failed_copies": failed}
         if len(s) == 1:
             return None
         keys = ARENA_COUNTERS + ("failed_copies",)
@@ -246,5 +258,15 @@ class ArenaWorker(LineWorker):
         buf = block_table.block_table
         if buf.gpu.data_ptr() == buf.cpu.data_ptr():
             buf.gpu = torch.zeros_like(buf.cpu)
-        rows = buf.cpu[:num_reqs]
-        buf.gpu[:num_reqs] = self.v2g[rows.long()]
+        if not self._on_cpu:
+            buf.gpu[:num_reqs] = self.v2g[buf.cpu[:num_reqs].long()]
+            return
+        # CPU: one gather of the first rows, flat, into the device rows in place (views kept
+        # per table and row count: building them costs more than the gather).
+        views = self._rows.get(id(buf))
+        if views is None or views[0] is not buf.cpu or views[1] is not buf.gpu \
+                or views[2] != num_reqs:
+            n = num_reqs * buf.cpu.shape[1]
+            views = self._rows[id(buf)] = (buf.cpu, buf.gpu, num_reqs, buf.cpu.view(-1)[:n],
+                                           buf.gpu.view(-1)[:n])
+        torch.index_select(self.v2g, 0, views[3], out=views[4])

@@ -1,0 +1,327 @@
+"""The arena's page pools on the scheduler side: the per-step state shared by vLLM's block
+pools (the arena, the vids staged for vLLM's managers, the step's accumulated plan, the
+prefix cache's persistent blocks and LRUs) and those pools.
+
+- A step's plan lists every change of placement since the last plan (copies, vids placed
+  where, new pages to zero); while the arena's placement version is the one the worker's
+  table was taken at, nothing changed and the plan is empty.
+- One persistent ``KVCacheBlock`` per live vid; vid 0 is the null page (pinned, never freed).
+- A hashed page whose last holder frees it stays live in its pool's LRU (free but cached)
+  until the arena's reclaim evicts it; an unhashed page goes back to the arena at once.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.distributed.kv_events import AllBlocksCleared
+from vllm.logger import init_logger
+from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+from ulacache_vllm.arena import Arena, Band, KindSpec, RowSpec
+
+logger = init_logger("vllm.ulacache.arena")
+
+NULL_KIND = "null"
+
+
+def _frozen(shape) -> np.ndarray:
+    a = np.zeros(shape, np.int64)
+    a.flags.writeable = False
+    return a
+
+
+# The arrays of a plan that places nothing (shared, read-only).
+_NO_VIDS, _NO_ZERO = _frozen(0), _frozen((0, 2))
+
+
+@dataclass
+class ArenaStepPlan:
+    """What the worker does before a step's forward, in this order: the copy steps (each a
+    ``(k, 3)`` array of src, dst, nbytes; sources of a step read before any write), the v2g
+    updates (``vids`` placed at ``granules``, pages of ``sizes`` bytes), then zero the new
+    pages (byte offset, nbytes)."""
+
+    copies: list = field(default_factory=list)
+    vids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    granules: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    zero: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    stats: dict = field(default_factory=dict)
+    seq: int = 0  # the engine step (its fence passes when the scheduler processed it)
+
+    def __bool__(self) -> bool:
+        return bool(self.copies) or bool(len(self.vids)) or bool(len(self.zero))
+
+
+def arena_kinds(layout) -> list[KindSpec]:
+    """The null kind (index 0) and one kind per KV cache group (index = group + 1)."""
+    kinds = [KindSpec(NULL_KIND, Band.LOW, (RowSpec("page", (layout.null_page_bytes,), "uint8"),))]
+    for g in layout.groups:
+        rows = tuple(RowSpec(n, (g.layer_page_bytes,), "uint8") for n in g.layer_names)
+        kinds.append(KindSpec(g.kind, Band(g.band), rows))
+    return kinds
+
+
+class ArenaState:
+    """The arena plus this step's staged vids and accumulated plan (shared by the pools)."""
+
+    def __init__(self, layout) -> None:
+        self.layout = layout
+        self.arena = Arena(layout.total_bytes, arena_kinds(layout), alignment=layout.alignment)
+        assert self.arena.alignment == layout.alignment, "page bytes must divide the alignment"
+        res = self.arena.allocate({NULL_KIND: 1})
+        vid = int(res.virtual_page_ids[NULL_KIND][0]) if res.ok else -1
+        if vid != 0 or int(self.arena.v2p([0])[0]) != 0:
+            raise RuntimeError("ulacache arena: the null page must be vid 0 at byte 0")
+        # Pinned for good: never moved, never freed (the null block of every manager).
+        self.arena.register_use([0], self.arena.fence("null page"))
+        self.null_block = KVCacheBlock(0)
+        self.null_block.is_null = True
+        self.staged: dict[int, list[int]] = {}
+        self.copies: list[np.ndarray] = []
+        self.new: list[int] = []  # vids allocated since the last plan (zeroed by the worker)
+        self._sent = np.full(0, -1, np.int64)  # the v2p table the worker has (vid 0 included)
+        self._sent_version = -1  # the arena's placement version ``_sent`` was taken at
+        self.stats_cache = (None, {})  # (what the figures depend on, ``stats`` less fences)
+        self.dirty = False  # pages freed since the last plan (the worker's figures are stale)
+        self.min_page = min(self.arena.page_bytes[1:])
+        # Prefix caching: every live vid's one KVCacheBlock, the kind pools (each with its LRU
+        # of free-but-cached pages), the LRU clock, and whether vLLM's allocate_slots runs.
+        self.live: dict[int, KVCacheBlock] = {}
+        self.pools: list = []
+        self.lru_stamp: dict[int, int] = {}
+        self.clock = itertools.count()
+        self.allocating = False
+        self.cache_stats = {"cached_pages_moved": 0, "cache_evictions": 0}
+
+    # A per-kind page demand this large means "not this step" (Mamba's same-step-hit sentinel).
+    DEFER = 1 << 40
+
+    def release(self, vids) -> None:
+        for v in vids:
+            self.live.pop(v, None)
+        self.arena.release(np.asarray(vids, np.int64))
+        self.dirty = True
+
+    def cached_free_bytes(self) -> int:
+        page = self.arena.page_bytes
+        return sum(len(p.lru) * page[p._kind] for p in self.pools)
+
+    def evict_for(self, need_bytes: int, keep: set[int]) -> int:
+        """The arena's reclaim: evict the coldest free-but-cached pages (not in ``keep``: a
+        request's own hits) until ``need_bytes`` are free; returns the pages evicted."""
+        page = self.arena.page_bytes
+        n = 0
+        while self.arena.free_bytes < need_bytes:
+            # Each pool's LRU is in stamp order: merge their cold ends lazily, take victims
+            # worth the deficit (bytes a fence withholds come back later: loop).
+            short = need_bytes - self.arena.free_bytes
+            merged = heapq.merge(*(self._cold(p) for p in self.pools))
+            victims = []
+            for _, v, pool in merged:
+                if v in keep:
+                    continue
+                victims.append((v, pool))
+                short -= page[pool._kind]
+                if short <= 0:
+                    break
+            if not victims:
+                break
+            for v, pool in victims:
+                pool.evict_page(self.live[v])
+                if v in pool.lru:  # never loop on a page that stayed cached
+                    raise RuntimeError(f"ulacache arena: evicting cached page {v} left it "
+                                       "in its pool's LRU (pool bookkeeping diverged)")
+            n += len(victims)
+        self.cache_stats["cache_evictions"] += n
+        return n
+
+    def _cold(self, pool):
+        # One generator per pool (binds ``pool`` now: a nested generator expression would
+        # late-bind the loop variable and name the last pool for every victim).
+        stamp = self.lru_stamp
+        return ((stamp[v], v, pool) for v in pool.lru)
+
+    def staged_count(self) -> int:
+        return sum(len(v) for v in self.staged.values())
+
+    def changed_vids(self) -> np.ndarray:
+        """Live vids whose placement changed since the last plan (allocated or moved): one
+        vectorised comparison of the v2p table against the one the worker has (none while
+        the arena's placement version is the one that table was taken at)."""
+        if self.arena.placement_version == self._sent_version:
+            return _NO_VIDS
+        v2p, _ = self.arena.placement()
+        if len(self._sent) < len(v2p):
+            self._sent = np.concatenate([self._sent, np.full(len(v2p) - len(self._sent), -1)])
+        changed = np.flatnonzero(v2p != self._sent[:len(v2p)])
+        return changed[v2p[changed] >= 0]
+
+    def take_plan(self, changed: np.ndarray, stats: dict) -> ArenaStepPlan:
+        version = self.arena.placement_version
+        if version == self._sent_version and not self.copies and not self.new:
+            return ArenaStepPlan([], _NO_VIDS, _NO_VIDS, _NO_VIDS, _NO_ZERO, stats)
+        v2p, kind = self.arena.placement()
+        offs = v2p[changed]
+        self._sent, self._sent_version = v2p.copy(), version
+        page_bytes = np.asarray(self.arena.page_bytes, np.int64)
+        new = np.unique(np.asarray(self.new, np.int64))
+        new = new[v2p[new] >= 0] if len(new) else new
+        if self.live and len(changed):
+            # Cached pages (held or free-but-cached) this plan moves: the copy is in the plan,
+            # their vids (and hashes) stay.
+            moved = np.setdiff1d(changed, new)
+            self.cache_stats["cached_pages_moved"] += sum(
+                1 for v in moved.tolist()
+                if v in self.live and self.live[v].block_hash is not None)
+        zero = np.zeros((0, 2), np.int64)
+        if len(new):
+            zero = np.stack([v2p[new], page_bytes[kind[new]]], axis=1)
+        plan = ArenaStepPlan(self.copies, changed, offs // self.layout.alignment,
+                             page_bytes[kind[changed]], zero, stats)
+        self.copies, self.new = [], []
+        return plan
+
+    def record_moves(self, plan) -> None:
+        self.copies.extend(plan.steps)
+
+
+class ArenaBlockPool(BlockPool):
+    """A vLLM block pool over arena pages of one kind (``kind`` None: the front pool the
+    coordinator and scheduler see; it forwards frees and evictions to each block's own pool
+    and reports bytes as usage).
+
+    Prefix caching: one persistent ``KVCacheBlock`` per live vid (``ArenaState.live``),
+    hashed by vLLM's own ``cache_full_blocks``. A hashed page whose last holder frees it stays
+    live in this pool's LRU (``lru``, coldest first) and is hittable; it goes back to the arena
+    only when the arena's reclaim evicts it (``ArenaState.evict_for``), through
+    ``evict_blocks`` or ``reset_prefix_cache``. Unhashed pages go back at once."""
+
+    def __init__(self, state: ArenaState, kind: int | None, hash_block_size: int,
+                 enable_caching: bool = False, enable_kv_cache_events: bool = False) -> None:
+        super().__init__(1, enable_caching=enable_caching, hash_block_size=hash_block_size,
+                         enable_kv_cache_events=enable_kv_cache_events)
+        self._state = state
+        self._kind = kind
+        self.null_block = state.null_block
+        self.blocks = []  # no per-block list: vids are created on allocation
+        self.lru: OrderedDict[int, KVCacheBlock] = OrderedDict()  # free-but-cached pages
+        if kind is not None:
+            # Mamba's "hit made this step, retry next step" sentinel (num_gpu_blocks + 1)
+            # must read as a demand no arena fits (``ArenaState.DEFER``).
+            self.num_gpu_blocks = ArenaState.DEFER - 1
+            state.pools.append(self)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        st = self._state
+        staged = st.staged.get(self._kind, [])
+        if num_blocks > len(staged):
+            raise ValueError(f"ulacache arena: {num_blocks} pages of kind {self._kind} taken, "
+                             f"{len(staged)} staged (the allocation count diverged)")
+        vids, st.staged[self._kind] = staged[:num_blocks], staged[num_blocks:]
+        out = []
+        for v in vids:
+            if v in st.live:
+                raise RuntimeError(f"ulacache arena: vid {v} handed out while still live")
+            blk = KVCacheBlock(v, pool=self)
+            blk.ref_cnt = 1
+            st.live[v] = blk
+            out.append(blk)
+        return out
+
+    def free_blocks(self, ordered_blocks) -> None:
+        dead, others = [], {}
+        for blk in ordered_blocks:
+            if blk.is_null:
+                continue
+            if blk.pool is not None and blk.pool is not self:
+                others.setdefault(blk.pool, []).append(blk)
+                continue
+            blk.ref_cnt -= 1
+            if blk.ref_cnt == 0:
+                if self.enable_caching and blk.block_hash is not None:
+                    self.lru[blk.block_id] = blk  # cold end last: evicted after older pages
+                    self._state.lru_stamp[blk.block_id] = next(self._state.clock)
+                else:
+                    dead.append(blk.block_id)
+        if dead:
+            self._state.release(dead)
+        for pool, blocks in others.items():
+            pool.free_blocks(blocks)
+
+    def touch(self, blocks) -> None:
+        for blk in blocks:
+            if blk.is_null:
+                continue
+            if blk.ref_cnt == 0:
+                self.lru.pop(blk.block_id)
+                self._state.lru_stamp.pop(blk.block_id, None)
+            blk.ref_cnt += 1
+
+    def get_num_free_blocks(self) -> int:
+        st = self._state
+        if st.allocating:  # inside allocate_slots: the arena already placed every page
+            return 1 << 62
+        return (st.arena.free_bytes + st.cached_free_bytes()) // st.min_page
+
+    def get_usage(self) -> float:
+        # Free-but-cached pages count as free, as in stock vLLM.
+        st = self._state
+        a = st.arena
+        null = a.page_bytes[0]
+        used = a.used_bytes - null - st.cached_free_bytes()
+        return used / max(1, a.total_bytes - null)
+
+    def evict_page(self, blk: KVCacheBlock) -> bool:
+        """Drop ``blk``'s hashes; a page no request holds goes back to the arena."""
+        evicted = self._maybe_evict_cached_block(blk)
+        if blk.ref_cnt == 0 and self.lru.pop(blk.block_id, None) is not None:
+            self._state.lru_stamp.pop(blk.block_id, None)
+            self._state.release([blk.block_id])
+        return evicted
+
+    def evict_blocks(self, block_ids) -> None:
+        live = self._state.live
+        for vid in block_ids:
+            blk = live.get(int(vid))
+            if blk is not None:
+                blk.pool.evict_page(blk)
+
+    def reset_prefix_cache(self) -> bool:
+        st = self._state
+        held = len(st.live) - sum(len(p.lru) for p in st.pools)
+        if held:
+            if self._kind is None or self is st.pools[0]:  # (once per reset, not per pool)
+                logger.warning("Failed to reset prefix cache because some pages (%d) are not "
+                               "freed yet", held)
+            return False
+        if self._kind is None:
+            pools = st.pools
+        else:
+            pools = [self]
+        for pool in pools:
+            vids = list(pool.lru)
+            pool.lru.clear()
+            for v in vids:
+                st.lru_stamp.pop(v, None)
+                st.live[v].reset_hash()
+            if vids:
+                st.release(vids)
+            pool.cached_block_hash_to_block = BlockHashToBlockMap()
+            pool.cached_block_hashes_by_block.clear()
+            if pool.enable_kv_cache_events:
+                pool.kv_event_queue.append(AllBlocksCleared())
+        return True
+
+    def take_events(self):
+        if self._kind is not None:
+            return super().take_events()
+        out = []
+        for pool in self._state.pools:
+            out.extend(pool.take_events())
+        return out
