@@ -66,3 +66,4 @@ def test_gpu_runtime_check_on_cpu(tmp_path):
         assert r["reads"] > 0 and r["bad_reads"] == 0, r
         assert min(c["promotions"], c["demotions"], c["staged"], c["chunked_calls"],
                    r["freed_blocks"]) > 0 and c["overflow"] == 0, r
+        assert c["merged_plans"] > 0, r  # settles and writes moved as one plan

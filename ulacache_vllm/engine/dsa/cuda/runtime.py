@@ -33,14 +33,17 @@ ones are not promoted, counted in ``unsettled``), which `begin_step` settles wit
 Outside the forward (`begin_step`, from the connector's pre-forward hook, before any graph
 replay): frees; settle (each group's first layer's logged misses promoted through
 `TieredMapping.ensure_resident` + `apply`, copies as GPU ops); round; writes (``assign`` of the
-step's new logical slots, then `write_translate` into the ulacache-owned static slot-mapping
+step's new logical slots; where a group has both, settle, round and assign are one plan,
+`TieredMapping.settle_and_assign`, one victim selection and one set of copies, fewer launches),
+then `write_translate` into the ulacache-owned static slot-mapping
 buffer of every MLA layer, same address at capture and replay: the fused write kernel writes
 exactly the bytes stock would, at translated rows). Padding writes go to staging row ``S - 1``
 (scratch: a layer stages after its own write, so a staged row is always re-filled before read).
 
 PB-LRU: the resolve touches device hits' round labels from a device round scalar
-(``round_t``, refreshed after ``advance_round``), so settle's victims are never rows read this
-round. The small-pool timestamp scan (pools <= 4096 slots) gets no touch from the forward.
+(``round_t``, refreshed after ``advance_round``), so a separate settle's victims are never rows
+read this round (a merged plan picks its victims in the new round: those rows are the least
+preferred, not excluded). The small-pool timestamp scan (pools <= 4096 slots) gets no touch from the forward.
 Not done here: TP shard mode, MTP draft layers.
 """
 from __future__ import annotations
@@ -142,7 +145,7 @@ class CudaRows:
         self.counters = {"promotions": 0, "demotions": 0, "bytes_moved": 0,
                          "fallback_chunks": 0, "staged": 0, "overflow": 0, "unmapped": 0,
                          "steps": 0, "chunked_calls": 0, "attention_chunks": 0,
-                         "unsettled": 0}
+                         "unsettled": 0, "merged_plans": 0}
         self.write_errors = torch.zeros(1, dtype=torch.int64, device=dev)
         # PB-LRU round labels touched by the forward's resolve (device hits get the current
         # round from a device scalar, refreshed in begin_step): eviction sees reads as the
@@ -276,20 +279,29 @@ class CudaRows:
             self.counters["staged"] += int(addr.numel())
             addr = addr[m.loc.index_select(0, addr.clamp(min=0)) >= 0] if addr.numel() else addr
             n = int(addr.numel())
-            while n:  # more misses than the pool takes in one round: promote a prefix
-                try:
-                    _, plan = m.ensure_resident(addr[:n])
-                except CapacityError:
-                    n //= 2
-                    self.counters["fallback_chunks"] += 1
-                    continue
-                self._apply(gi, plan)
-                break
-            m.advance_round()
+            sm = self.logical_writes.get(names[0])
+            merged = None
+            if n and sm is not None:
+                # Settle, round and writes as one plan (one victim selection, one set of
+                # copies: fewer launches); None where it does not apply (room, re-assignment).
+                merged = m.settle_and_assign(addr, sm.reshape(-1).long())
+            if merged is not None:
+                self.counters["merged_plans"] += 1
+                self._apply(gi, merged[1])
+            else:
+                while n:  # more misses than the pool takes in one round: promote a prefix
+                    try:
+                        _, plan = m.ensure_resident(addr[:n])
+                    except CapacityError:
+                        n //= 2
+                        self.counters["fallback_chunks"] += 1
+                        continue
+                    self._apply(gi, plan)
+                    break
+                m.advance_round()
             if self.labels[gi] is not None:
                 self.round_t[gi].fill_(m.policy.round)
-            sm = self.logical_writes.get(names[0])
-            if sm is not None:
+            if merged is None and sm is not None:
                 slots, plan = m.assign(sm.reshape(-1).long())
                 self._apply(gi, plan)
             for n in names:
