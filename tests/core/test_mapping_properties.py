@@ -155,12 +155,7 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
             round_touched |= set(addrs.tolist())
         elif o[0] == "select":
             _, reqs, seed = o
-            g = torch.Generator().manual_seed(seed)
-            parts = []
-            for r in reqs:
-                if lens[r]:
-                    k = int(torch.randint(1, lens[r] + 1, (1,), generator=g))
-                    parts.append(r * 64 + torch.randint(0, lens[r], (k,), generator=g))
+            parts = selection(reqs, seed)
             if not parts:
                 continue
             parts.append(torch.tensor([-1]))
@@ -247,15 +242,22 @@ def test_locate_commits_after_the_copies(lru, n_dev, seed):
     assert torch.equal(store.bufs[DEVICE][s, 0], sel)
 
 
-def test_staging_when_host_full():
-    """Device and host both full: promotions and demotions swap through staging rows."""
-    m = TieredMapping(8, 4, 4, lru="pblru", ring_size=8)
-    store = RowStore(4, 4)
-    for a in range(8):
+def _written_one_per_round(num_logical: int, dev: int, host: int, n: int):
+    """A PB-LRU mapping and its rows after ``n`` single-entry writes, one round each (entry
+    ``a`` holds ``100 + a``): the oldest spill to the host once the device is full."""
+    m = TieredMapping(num_logical, dev, host, lru="pblru", ring_size=8)
+    store = RowStore(dev, host)
+    for a in range(n):
         slots, plan = m.assign(torch.tensor([a]))
         plan.apply(store.copy_fn)
         store.write(DEVICE, slots, torch.tensor([100 + a]))
         m.advance_round()
+    return m, store
+
+
+def test_staging_when_host_full():
+    """Device and host both full: promotions and demotions swap through staging rows."""
+    m, store = _written_one_per_round(8, 4, 4, 8)
     assert m.device_used == 4 and m.host_used == 4
     slots, plan = m.ensure_resident(torch.arange(4))
     assert plan.num_staged == 4 and m.stats.staged == 4
@@ -272,13 +274,7 @@ def test_settle_and_assign_swaps_through_staging_and_refuses_what_cannot_fit():
     new entries land on victim slots, all data where the tables say. A step that needs more
     victims than the device holds (or host slots than there are) is refused with nothing
     changed; so is a re-assignment (the engine then goes one call at a time)."""
-    m = TieredMapping(16, 4, 6, lru="pblru", ring_size=8)
-    store = RowStore(4, 6)
-    for a in range(8):
-        slots, plan = m.assign(torch.tensor([a]))
-        plan.apply(store.copy_fn)
-        store.write(DEVICE, slots, torch.tensor([100 + a]))
-        m.advance_round()
+    m, store = _written_one_per_round(16, 4, 6, 8)
     assert m.device_used == 4 and m.host_used == 4  # 0-3 on the host, 4-7 on the device
     # 2 misses + 2 new rows: 4 victims, 2 free host slots + the 2 the misses vacate.
     slots, plan = m.settle_and_assign(torch.tensor([0, 1, 0, -1, 5]), torch.tensor([8, 9]))
