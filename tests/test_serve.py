@@ -339,20 +339,23 @@ def test_load_with_client_aborts_leaves_the_pools_clean(server, stock):
     zero, nothing but the cut requests failed, the load spilled rows to the host and fetched
     them back, every uncut stream equals the stock server's greedy text for its prompt, and
     the server still answers."""
-    base, model, _ = server
+    base, model, log = server
     words = "one two three four five six seven eight nine ten eleven twelve".split()
     prompts = [" ".join(words[(i * 5 + j * (i + 2)) % len(words)] for j in range(60 + 25 * i))
                for i in range(12)]
+    streams = [i for i in range(12) if i % 4 != 3]
     m0 = requests.get(base + "/metrics", timeout=10).text
     jobs = []
     with cf.ThreadPoolExecutor(12 + 12) as ex:
-        for i, p in enumerate(prompts):
-            if i % 4 == 3:
-                jobs.append(("prefill", i, ex.submit(_abort_in_prefill, base, model, p)))
-            elif i % 3 == 1:
-                jobs.append(("cut", i, ex.submit(_stream, base, model, p, 48, 3)))
-            else:
-                jobs.append(("full", i, ex.submit(_stream, base, model, p, 48)))
+        # The streams start together (their load outgrows the pools on every host); the
+        # prefill aborts arrive while they run, beside their decodes.
+        with admitted_together(base, log, len(streams)):
+            for i in streams:
+                jobs.append(("cut", i, ex.submit(_stream, base, model, prompts[i], 48, 3))
+                            if i % 3 == 1 else
+                            ("full", i, ex.submit(_stream, base, model, prompts[i], 48)))
+        for i in set(range(12)) - set(streams):
+            jobs.append(("prefill", i, ex.submit(_abort_in_prefill, base, model, prompts[i])))
         # The uncut prompts' stock texts, at the same time (the stock server has its own CPU).
         ref = {i: ex.submit(_complete, stock, model, prompts[i], 48)
                for kind, i, _ in jobs if kind == "full"}
