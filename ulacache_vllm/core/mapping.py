@@ -351,26 +351,38 @@ class TieredMapping:
             self.stats.lookups += u.numel()
             self.stats.hits += u.numel()
             return slots_out(), self._empty_plan()
-        mv = self.loc.index_select(0, miss)
-        psrc = mv & SLOT_MASK
-        f = min(m, self.dev.num_free)
-        k = m - f
-        e = self._empty
-        if k:  # victims first: a CapacityError must leave the pools untouched
-            victims, ventries, hdst, c = self._victims_to_host(k, miss[f:], psrc)
-        else:
-            victims, ventries, hdst, c = e, e, e, 0
-        free_slots = self.dev.alloc(miss[:f])
-        pdst = torch.cat([free_slots, victims]) if k else free_slots
-        self.host.release(psrc[c:])  # the first c were re-owned by demotions
-        self.loc.scatter_(0, miss, pdst)
-        self.policy.touch(pdst)
+        psrc = self.loc.index_select(0, miss) & SLOT_MASK
+        _, plan = self._place(miss, psrc)  # (a CapacityError leaves the pools untouched)
         self.stats.lookups += u.numel()
         self.stats.hits += u.numel() - m
         self.stats.promotions += m
-        plan = self._new_plan(victims, hdst, psrc, pdst, c, torch.cat([miss, ventries]),
-                              torch.cat([pdst, (HOST << SLOT_BITS) | hdst]))
         return slots_out(), plan
+
+    def _place(self, entries: torch.Tensor, psrc: torch.Tensor):
+        """Device slots for unique ``entries``: the first ``psrc.numel()`` are promotions from
+        those host slots, the rest new entries. Free slots first, then victims demoted to the
+        host (`_victims_to_host`: victims first, so a ``CapacityError`` changes nothing).
+        Returns ``(device slots, plan)``; a plan with nothing to copy is committed at once."""
+        m, n = psrc.numel(), entries.numel()
+        f = min(n, self.dev.num_free)
+        k = n - f
+        e = self._empty
+        if k:
+            victims, ventries, hdst, c = self._victims_to_host(k, entries[f:], psrc)
+        else:
+            victims, ventries, hdst, c = e, e, e, 0
+        free_slots = self.dev.alloc(entries[:f])
+        dst = torch.cat([free_slots, victims]) if k else free_slots
+        self.host.release(psrc[c:])  # the first c were re-owned by demotions
+        self.loc.scatter_(0, entries, dst)
+        self.policy.touch(dst)
+        if k == 0 and m == 0:  # new entries on free slots: visible at once
+            self.visible.scatter_(0, entries, dst)
+            return dst, self._empty_plan()
+        # Promoted and new entries become visible once the copies are done.
+        return dst, self._new_plan(victims, hdst, psrc, dst[:m], c,
+                                   torch.cat([entries, ventries]),
+                                   torch.cat([dst, (HOST << SLOT_BITS) | hdst]))
 
     def settle_and_assign(self, selected: torch.Tensor, new: torch.Tensor):
         """One step's two requests as ONE plan: ``ensure_resident(selected,
@@ -406,38 +418,17 @@ class TieredMapping:
             return None
         self.policy.hit_touch(lv)  # the ending round's hits (device entries)
         self.policy.advance_round()
-        mv = K.compact(lv, tier == HOST)
-        psrc = mv & SLOT_MASK
-        entries = torch.cat([miss, w]) if m else w
-        n = m + nw
-        f = min(n, self.dev.num_free)
-        e = self._empty
-        if k > 0:
-            try:
-                victims, ventries, hdst, c = self._victims_to_host(k, entries[f:], psrc)
-            except CapacityError:
-                raise RuntimeError("settle_and_assign: victims short after the room check "
-                                   "(policy and pool disagree)") from None
-        else:
-            victims, ventries, hdst, c = e, e, e, 0
-        free_slots = self.dev.alloc(entries[:f])
-        dst = torch.cat([free_slots, victims]) if k > 0 else free_slots
-        self.host.release(psrc[c:])  # the first c were re-owned by demotions
-        self.loc.scatter_(0, entries, dst)
-        self.policy.touch(dst)
-        nh = u.numel()
-        self.stats.lookups += nh
-        self.stats.hits += nh - m
+        psrc = K.compact(lv, tier == HOST) & SLOT_MASK
+        try:
+            _, plan = self._place(torch.cat([miss, w]) if m else w, psrc)
+        except CapacityError:
+            raise RuntimeError("settle_and_assign: victims short after the room check "
+                               "(policy and pool disagree)") from None
+        self.stats.lookups += u.numel()
+        self.stats.hits += u.numel() - m
         self.stats.promotions += m
         self.stats.assigned += nw
-        slots = self._slots_out(is_new, nidx, shape)
-        if k <= 0 and m == 0:  # nothing to copy: the new entries are visible at once
-            self.visible.scatter_(0, entries, dst)
-            return slots, self._empty_plan()
-        plan = self._new_plan(victims, hdst, psrc, dst[:m], c,
-                              torch.cat([entries, ventries]),
-                              torch.cat([dst, (HOST << SLOT_BITS) | hdst]))
-        return slots, plan
+        return self._slots_out(is_new, nidx, shape), plan
 
     def free(self, addrs: torch.Tensor) -> int:
         """Release entries (device or host); never-assigned addresses (also those past the
