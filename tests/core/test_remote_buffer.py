@@ -253,3 +253,38 @@ def test_tp_benchmark_replay_saves_fetches():
         demand = bench.remote_demand(tr, P)
         r = bench.replay(tr, P, demand)  # a round's remote rows always fit
         assert 0 < r["fetched"] < r["unbuffered"] and r["hit_rate"] > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.tuples(st.integers(1, 24), st.integers(0, 6), st.integers(0, 2**31)),
+                      min_size=1, max_size=30),
+       lru=st.sampled_from(POLICIES), buf=st.integers(2, 12))
+def test_settle_read_matches_settle(steps, lru, buf):
+    """The TP worker's settle (`settle_read`: the read's own misses, less frees, instead of a
+    second lookup and an isin) leaves the replicated directory exactly as `settle(insertable=)`
+    does: same kept addresses and slots, same table, same counters, step after step, with
+    frees between the read and the settle and padding in the reads."""
+    N = 48
+    a = RemoteRowBuffer(N, buf, rank=0, world_size=2, lru=factory(lru), replicated=True)
+    b = RemoteRowBuffer(N, buf, rank=0, world_size=2, lru=factory(lru), replicated=True)
+    for n, nfree, seed in steps:
+        g = torch.Generator().manual_seed(seed)
+        reads = torch.randint(-1, N, (n,), generator=g)
+        # The forward: misses are the unique in-range addresses the directory lacks.
+        v = a.slots_of(reads)
+        assert torch.equal(v, b.slots_of(reads))
+        fetched = torch.unique(reads.masked_select((reads >= 0) & (v < 0)))
+        freed = torch.randint(0, N, (nfree,), generator=g)
+        a.invalidate(freed)
+        b.invalidate(freed)
+        insertable = fetched.masked_select(~torch.isin(fetched, freed))
+        ka, sa = a.settle(reads, insertable=insertable)
+        kb, sb = b.settle_read(reads, insertable)
+        assert ka.tolist() == kb.tolist() and sa.tolist() == sb.tolist()
+        assert torch.equal(a.table, b.table)
+        assert (a.stats.lookups, a.stats.hits, a.stats.inserted, a.stats.evicted) == (
+            b.stats.lookups, b.stats.hits, b.stats.inserted, b.stats.evicted)
+        a.advance_round()
+        b.advance_round()
+    with pytest.raises(ValueError, match="replicated"):
+        RemoteRowBuffer(N, 4, rank=0, world_size=2).settle_read(reads, fetched)

@@ -118,6 +118,26 @@ class RemoteRowBuffer:
         miss = u.masked_select(~hit) if nhit else u
         if insertable is not None:
             miss = miss.masked_select(torch.isin(miss, insertable.to(miss.device)))
+        return self._insert(miss)
+
+    def settle_read(self, addrs: torch.Tensor, fetched: torch.Tensor):
+        """`settle` for the replicated directory when the caller kept the read's misses:
+        ``fetched`` = the unique addresses the step read and did not find here (ascending),
+        less those freed since. Only the hits are looked up again (one gather of the unique
+        read addresses, one hit-touch); the misses take slots in ``fetched``'s order, as
+        `settle` would give them. Returns (new addresses, their slots) like `settle`."""
+        if not self.replicated:
+            raise ValueError("settle_read needs the replicated directory (replicated=True)")
+        u = torch.unique(addrs.reshape(-1))  # ascending; padding (-1) first, if any
+        hit = self.policy.hit_touch(self._lookup(u).long())  # -1 (padding, freed, fetched)
+        self.last_lookup = (u, hit)
+        self.stats.lookups += u.numel() - int(u.numel() > 0 and bool(u[0] < 0))
+        self.stats.hits += int(hit.sum())
+        return self._insert(fetched)
+
+    def _insert(self, miss: torch.Tensor):
+        """Slots for the unique, unbuffered addresses ``miss``: free slots first, then eviction
+        victims (none used this round); a prefix when not all fit."""
         n = miss.numel()
         f = min(n, self.pool.num_free)
         k = min(n - f, self.pool.num_used)

@@ -114,24 +114,30 @@ class ShardedRows:
     def _settle_remote(self, g: _Group, sel: torch.Tensor, freed: torch.Tensor | None) -> None:
         """TP shard mode: the previous step's reads of ``g`` update the buffer directory the
         same way on every rank (hits touched, fetched rows kept unless freed since); this rank
-        copies in the kept rows it does not own."""
+        copies in the kept rows it does not own. The read's misses and their places in the
+        gathered rows are the ones `_remote_read` recorded (no second lookup decides them)."""
         with self.exchange.timed("x_settle"):
             sh = self.shard
-            fetched = g.fetch_addrs
-            if fetched is not None and freed is not None and fetched.numel():
-                fetched = fetched.masked_select(~torch.isin(fetched, freed))
-            keep, slots = g.remote.settle(sel, insertable=fetched)
+            fetched, index = g.fetch_addrs, g.fetch_index
+            if fetched is None:  # a read without a plan (nothing to insert)
+                fetched = index = sel.new_empty(0)
+            elif freed is not None and fetched.numel():
+                # Freed since the read (this step's frees ran first): not live on any rank.
+                live = self.glive.index_select(0, fetched)
+                fetched, index = fetched.masked_select(live), index.masked_select(live)
+            keep, slots = g.remote.settle_read(sel, fetched)
             # The counters count the remote addresses among the settle's own lookups.
             u, hit = g.remote.last_lookup
-            rem = u.remainder(sh.world) != sh.rank
+            rem = (u >= 0) & (u.remainder(sh.world) != sh.rank)
             self.counters.remote_lookups += int(rem.sum())
             self.counters.remote_hits += int((hit & rem).sum())
-            if not keep.numel():
+            n = keep.numel()
+            if not n:
                 return
+            # keep is a prefix of fetched; index[:n] are its rows in the gathered payload.
             mine = keep.remainder(sh.world) != sh.rank
-            keep, slots = keep.masked_select(mine), slots.masked_select(mine)
-            if keep.numel():
-                pos = g.fetch_index.index_select(0, torch.searchsorted(g.fetch_addrs, keep))
+            slots, pos = slots.masked_select(mine), index[:n].masked_select(mine)
+            if slots.numel():
                 rows = slots + self.remote_base
                 with self.timed("copy"):
                     for name in g.layers:  # as whole words (`_wide`), ~6x uint8's speed on CPU
