@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ulacache_vllm.core.placement import TokenShard
@@ -128,15 +129,17 @@ class ShardedRows:
             keep, slots = g.remote.settle_read(sel, fetched)
             # The counters count the remote addresses among the settle's own lookups.
             u, hit = g.remote.last_lookup
-            rem = (u >= 0) & (u.remainder(sh.world) != sh.rank)
-            self.counters.remote_lookups += int(rem.sum())
-            self.counters.remote_hits += int((hit & rem).sum())
+            u = u.numpy()  # (CPU only, as `_remote_read`)
+            rem = (u >= 0) & (u % sh.world != sh.rank)
+            self.counters.remote_lookups += int(np.count_nonzero(rem))
+            self.counters.remote_hits += int(np.count_nonzero(hit.numpy() & rem))
             n = keep.numel()
             if not n:
                 return
             # keep is a prefix of fetched; index[:n] are its rows in the gathered payload.
-            mine = keep.remainder(sh.world) != sh.rank
-            slots, pos = slots.masked_select(mine), index[:n].masked_select(mine)
+            mine = keep.numpy() % sh.world != sh.rank
+            slots = torch.from_numpy(slots.numpy()[mine])
+            pos = torch.from_numpy(index.numpy()[:n][mine])
             if slots.numel():
                 rows = slots + self.remote_base
                 with self.timed("copy"):
@@ -148,37 +151,52 @@ class ShardedRows:
         """Resolve's TP half (`GroupTranslator._remote`): remote rows in the buffer read as
         device rows; the others are this step's misses, which every rank knows alike (same
         selection, same directory): each owner sends its own in one all-gather per layer
-        (`_remote_rows`). Returns (device rows, ids into the gathered rows)."""
+        (`_remote_rows`). Returns (device rows, ids into the gathered rows).
+
+        Shard mode runs on CPU tensors only (the CUDA glue refuses it), so the plan runs on
+        numpy views (zero-copy): its ~20 small array ops cost ~0.4 of torch's per-op dispatch
+        (`benchmarks/results/equal_batch.md`, TP section)."""
         sh, ex = self.shard, self.exchange
         P = sh.world
         with ex.timed("x_lookup"):
-            bslot = g.remote.slots_of(logical)  # -1 for padding and rows not buffered
-            own = (logical >= 0) & (logical.remainder(P) == sh.rank)
-            dev = torch.where((bslot >= 0) & ~own, bslot + self.remote_base, dev)
-            miss = (logical >= 0) & (bslot < 0)
+            lg = logical.numpy()
+            n = g.remote.num_logical
+            valid = lg >= 0
+            # The directory's value of each address; padding (and anything past the space)
+            # reads the sentinel entry past the end (-1).
+            bslot = g.remote.table.numpy()[np.where(valid & (lg < n), lg, n)]
+            own = valid & (lg % P == sh.rank)
+            remote_hit = (bslot >= 0) & ~own
+            dev = torch.from_numpy(np.where(remote_hit, bslot + self.remote_base,
+                                            dev.numpy()))
+            miss = valid & (bslot < 0)
         with self.timed("exchange"), ex.timed("x_plan"):
             # Sorted, the same on every rank; inv: each miss's place in u.
-            u, inv = torch.unique(logical.masked_select(miss), return_inverse=True)
-            ids = torch.full_like(logical, -1)
-            if u.numel():
+            u, inv = np.unique(lg[miss], return_inverse=True)
+            ids = np.full(lg.shape, -1, dtype=np.int64)
+            if u.size:
                 # Each miss's place in the gathered rows: owner's block, then its rank among
-                # the owner's misses (ascending address).
-                owner = u.remainder(P)
-                cum = (owner.unsqueeze(1) == torch.arange(P, device=u.device)).cumsum(0)
-                width = int(cum[-1].max())
-                index = owner * width + cum.gather(1, owner.unsqueeze(1)).squeeze(1) - 1
-                ids.masked_scatter_(miss, index.index_select(0, inv).to(ids.dtype))
-                ids.masked_fill_(own, -1)  # owned misses are read locally
-                mine = u.masked_select(owner == sh.rank).div(P, rounding_mode="floor")
+                # the owner's misses (ascending address: u is sorted, the sort stable).
+                owner = u % P
+                counts = np.bincount(owner, minlength=P)
+                width = int(counts.max())
+                order = np.argsort(owner, kind="stable")
+                rank_in = np.empty_like(owner)
+                rank_in[order] = np.arange(u.size) - (np.cumsum(counts) - counts)[owner[order]]
+                index = owner * width + rank_in
+                ids[miss] = index[inv.reshape(-1)]
+                ids[own] = -1  # owned misses are read locally
+                mine = torch.from_numpy(u[owner == sh.rank] // P)
             else:
-                width, index, mine = 0, u, u
+                width, index, mine = 0, u, torch.from_numpy(u)
             if self.identity:
                 serve = (mine, None)
             else:
                 d, h = g.mapping.locate(mine)
                 serve = (d, h if bool((h >= 0).any()) else None)
-        g.fetch_addrs, g.fetch_index, g.serve, g.width = u, index, serve, width
-        return dev, ids
+        g.fetch_addrs, g.fetch_index = torch.from_numpy(u), torch.from_numpy(index)
+        g.serve, g.width = serve, width
+        return dev, torch.from_numpy(ids)
 
     def _remote_rows(self, g: _Group, layer_name: str) -> torch.Tensor:
         """This layer's rows of the group's misses (`GroupTranslator._fetch_rows`): every
