@@ -17,7 +17,7 @@ MODULE = "vllm.engine.arg_utils"
 
 # CLI type of each setting kind (the values are coerced again, with named errors, by
 # UlaSettings.from_dict).
-_KIND_TYPE = {"gib": float, "int": int, "bool": str.lower, "choice": str.lower, "path": str}
+_KIND_TYPE = {"gib": float, "fraction": float, "int": int, "bool": str.lower, "choice": str.lower, "path": str}
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,7 +19,7 @@ def row(addrs: torch.Tensor, layer: int, version: int = 0) -> torch.Tensor:
 
 def make_store(rank: int, world: int, group, device_slots: int, host_slots: int,
                remote_slots: int, layers=("l.0", "l.1", "l.2"), leaders=("l.0", "l.2"),
-               lockstep=True):
+               lockstep=True, settings=None):
     from ulacache_vllm.engine.config import UlaSettings
     from ulacache_vllm.engine.dsa.sizing import UlaLayout
     from ulacache_vllm.engine.dsa.tp_shard import TokenShard, TPExchange
@@ -34,7 +34,8 @@ def make_store(rank: int, world: int, group, device_slots: int, host_slots: int,
                        tp_world=world, remote_slots=remote_slots)
     mods = {n: SimpleNamespace(kv_cache=None, impl=SimpleNamespace()) for n in layers}
     ex = TPExchange(TokenShard(rank, world), group, lockstep_check=lockstep)
-    store = UlaWorkerStore(layout, UlaSettings(), mods, torch.device("cpu"), None, ex)
+    store = UlaWorkerStore(layout, settings or UlaSettings(), mods, torch.device("cpu"), None,
+                           ex)
     return store, mods
 
 
@@ -195,6 +196,45 @@ def rewrite_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                       for li, n in enumerate(mods))
     json.dump({"errors": errors, "buffered": buffered, "replicas": store.replicas,
                "totals": store.totals()},
+              open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fill_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    """The remote-row buffer's fill control on two ranks: reads that seldom hit the buffer
+    (random picks over many rows) stop its settles, except a probe every 16 steps; reads
+    that repeat (the same picks every step) bring the fills back after a probe. Every read
+    is exact throughout, and both ranks' directories stay identical."""
+    from ulacache_vllm.engine.config import UlaSettings
+
+    group = _init(rank, world, init_file)
+    store, mods = make_store(rank, world, group, device_slots=600, host_slots=64,
+                             remote_slots=64, settings=UlaSettings())
+    live = torch.arange(16, 16 + 1024)
+    for s in range(16):  # more than one rank's pool: sharded
+        write_step(store, mods, live[s * 64:(s + 1) * 64])
+    g = torch.Generator().manual_seed(3)
+    errors = 0
+
+    def step(picks):
+        nonlocal errors
+        store.begin_step([], {})
+        got = read(mods, picks)
+        for li, name in enumerate(mods):
+            errors += int((got[name].view(-1, HEAD) != row(picks.reshape(-1), li)).any())
+
+    for _ in range(24):  # random picks: ~6 % of them can hit 64 buffered rows of 1024
+        step(live[torch.randperm(live.numel(), generator=g)[:32]].view(2, 16))
+    low = dict(store.totals())
+    fixed = live[torch.randperm(live.numel(), generator=g)[:32]].view(2, 16)
+    for _ in range(32):  # the same picks every step
+        step(fixed)
+    store.begin_step([], {})
+    t = store.totals()
+    tables = [grp.remote.table.tolist() for grp in store.groups]
+    json.dump({"errors": errors, "low": low, "totals": t, "replicas": store.replicas,
+               "tables": tables, "rates": [grp.remote.hit_rate for grp in store.groups]},
               open(os.path.join(out_dir, f"rank{rank}.json"), "w"))
     dist.barrier()
     dist.destroy_process_group()

@@ -234,6 +234,9 @@ def test_settings_are_coerced_or_named():
                                           "tp_lockstep_check": "yes"})
     assert (t.tp_mode, t.remote_buffer_rows, t.tp_lockstep_check) == ("replicate", 256, True)
     assert ula_config.UlaSettings().tp_mode == "shard"
+    assert ula_config.UlaSettings.from_dict(
+        {"remote_buffer_min_hit_rate": "0.25"}).remote_buffer_min_hit_rate == 0.25
+    assert ula_config.UlaSettings().remote_buffer_min_hit_rate == 0.1
     for bad, match in (({"host_pool_gib": "lots"}, "ula_host_pool_gib .*number of GiB"),
                        ({"host_pool_gib": True}, "number of GiB"),
                        ({"host_pool_gib": "nan"}, ">= 0"),
@@ -242,6 +245,9 @@ def test_settings_are_coerced_or_named():
                        ({"tp_mode": "both"}, "ula_tp_mode .*one of shard, replicate"),
                        ({"remote_buffer_rows": 1.5}, "whole number"),
                        ({"remote_buffer_rows": -1}, ">= 0"),
+                       ({"remote_buffer_min_hit_rate": 1.5}, "from 0 to 1"),
+                       ({"remote_buffer_min_hit_rate": "often"}, "min_hit_rate .*from 0 to 1"),
+                       ({"remote_buffer_min_hit_rate": False}, "from 0 to 1"),
                        ({"trace_path": 5}, "file path")):
         with pytest.raises(ula_config.KVBackendError, match=match):
             ula_config.UlaSettings.from_dict(bad)

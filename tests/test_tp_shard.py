@@ -153,3 +153,22 @@ def test_rows_rewritten_in_place_are_never_served_stale_from_a_remote_buffer(tmp
         assert r["replicas"] is False, r  # sharded: the other rank's rows come over the wire
         assert r["buffered"] > 0, r  # the rows were in the buffer before their rewrite
         assert r["errors"] == 0, r
+
+
+def test_a_buffer_reads_seldom_hit_stops_filling_and_fills_again_on_reuse(tmp_path):
+    """--ula-remote-buffer-min-hit-rate (default 0.1): random picks over 1024 rows seldom
+    hit a 64-row buffer, so its settles stop (probes aside); repeated picks bring the fills
+    back and hit. Reads stay exact, and the replicated directory stays the same on both
+    ranks (the decisions use only figures every rank shares)."""
+    r0, r1 = _spawn(_tp_workers.fill_worker, tmp_path)
+    for r in (r0, r1):
+        assert r["errors"] == 0 and r["replicas"] is False, r
+        low, t = r["low"], r["totals"]
+        # Random picks: most settles skipped (2 groups x 24 steps), a few probes ran.
+        assert low["remote_fill_skips"] >= 24, low
+        # Repeated picks: fills came back (no more skips after the reuse was seen) and hit.
+        assert t["remote_fill_skips"] - low["remote_fill_skips"] <= 2 * 16, (low, t)
+        assert t["remote_hits"] - low["remote_hits"] > 8 * 16, (low, t)
+        assert min(r["rates"]) > 0.5, r["rates"]
+    assert r0["tables"] == r1["tables"]
+    assert r0["totals"]["remote_fill_skips"] == r1["totals"]["remote_fill_skips"]

@@ -288,3 +288,33 @@ def test_settle_read_matches_settle(steps, lru, buf):
         b.advance_round()
     with pytest.raises(ValueError, match="replicated"):
         RemoteRowBuffer(N, 4, rank=0, world_size=2).settle_read(reads, fetched)
+
+
+def test_fill_control_skips_while_reads_seldom_hit_and_probes():
+    """`fill_due`: True while the running hit rate (note_read, halved weight per read) is at
+    least min_hit_rate; below it, True only every probe_every-th step, and a probe that finds
+    reuse again brings every step back. min_hit_rate 0 always fills; bad values refused."""
+    b = RemoteRowBuffer(64, 8, rank=0, world_size=2, replicated=True, min_hit_rate=0.1,
+                        probe_every=4)
+    assert b.hit_rate == 1.0 and b.fill_due()  # starts by filling
+    due = []
+    for _ in range(12):
+        b.note_read(32, 0)
+        due.append(b.fill_due())
+    # 1.0 halves per read: 0.5, 0.25, 0.125 fill, then below 0.1: a probe every 4th step.
+    assert due == [True, True, True, False, False, False, True, False, False, False, True,
+                   False], due
+    assert b.stats.skipped_fills == 7
+    b.note_read(32, 32)  # reuse came back: 0.5 * ~0 + 0.5
+    assert b.hit_rate > 0.5 and all(b.fill_due() for _ in range(5))
+    b.note_read(0, 0)  # an empty read changes nothing
+    assert b.hit_rate > 0.5
+    always = RemoteRowBuffer(64, 8, rank=0, world_size=2, replicated=True)
+    for _ in range(10):
+        always.note_read(32, 0)
+        assert always.fill_due()
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="min_hit_rate"):
+            RemoteRowBuffer(64, 8, rank=0, world_size=2, min_hit_rate=bad)
+    with pytest.raises(ValueError, match="probe_every"):
+        RemoteRowBuffer(64, 8, rank=0, world_size=2, probe_every=0)

@@ -17,6 +17,13 @@ With ``replicated=True`` the buffer is a directory every rank keeps identically:
 every address, and since every rank makes the same calls (the same selections and frees),
 every rank knows which addresses all others hold, so a step's misses need no request
 exchange (the TP shard worker uses it this way).
+
+Filling pays only when fetched rows are read again. ``note_read`` keeps a running average of
+the share of reads the directory held; while it is below ``min_hit_rate``, `fill_due` says to
+skip the settle (no touches, no inserts, no row copies) except every ``probe_every``-th step,
+whose fill shows whether reuse came back. Skipping changes what is buffered, never what is
+read: a skipped row is fetched again. Both calls see only rank-independent figures, so the
+replicated directory stays identical on every rank.
 """
 from __future__ import annotations
 
@@ -36,6 +43,7 @@ class RemoteBufferStats:
     inserted: int = 0      # fetched rows kept
     evicted: int = 0       # buffered rows dropped to make room
     invalidated: int = 0   # buffered rows dropped because their entry was freed
+    skipped_fills: int = 0  # settles skipped while reads seldom hit (`fill_due`)
 
     @property
     def hit_rate(self) -> float:
@@ -45,9 +53,16 @@ class RemoteBufferStats:
 class RemoteRowBuffer:
     def __init__(self, num_logical: int, num_slots: int, *, rank: int, world_size: int,
                  device: torch.device | str = "cpu", lru="pblru", ring_size: int = 8,
-                 replicated: bool = False):
+                 replicated: bool = False, min_hit_rate: float = 0.0, probe_every: int = 16):
         if num_slots < 1:
             raise ValueError(f"a remote-row buffer needs at least one slot, got {num_slots}")
+        if not 0.0 <= min_hit_rate <= 1.0:
+            raise ValueError(f"min_hit_rate must be in [0, 1], got {min_hit_rate}")
+        if probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {probe_every}")
+        self.min_hit_rate, self.probe_every = float(min_hit_rate), probe_every
+        self.hit_rate = 1.0  # running average of note_read's shares: start by filling
+        self._since_fill = 0
         self.shard = TokenShard(rank, world_size)  # ValueError for a rank outside the group
         self.device = torch.device(device)
         self.rank, self.world = rank, world_size
@@ -162,6 +177,24 @@ class RemoteRowBuffer:
             self.policy.touch(slots)
         self.stats.inserted += keep.numel()
         return keep, slots
+
+    def note_read(self, reads: int, hits: int) -> None:
+        """A read of ``reads`` entries, ``hits`` of them held here: updates the running hit
+        rate (halved weight per read). Pass figures every rank shares (for the replicated
+        directory: all valid entries, own ones included)."""
+        if reads > 0:
+            self.hit_rate = 0.5 * self.hit_rate + 0.5 * (hits / reads)
+
+    def fill_due(self) -> bool:
+        """Whether this step's settle should run: while the running hit rate is at least
+        ``min_hit_rate``, and on every ``probe_every``-th step after the last fill. A False
+        counts a skipped fill; the caller then skips the settle."""
+        self._since_fill += 1
+        if self.hit_rate >= self.min_hit_rate or self._since_fill >= self.probe_every:
+            self._since_fill = 0
+            return True
+        self.stats.skipped_fills += 1
+        return False
 
     def invalidate(self, addrs) -> int:
         """Drop the buffered rows of freed entries; returns how many were buffered."""

@@ -86,7 +86,7 @@ def _lru_choices() -> tuple[str, ...]:
 
 
 def _setting(default: Any, kind: str, help: str, metavar: str = "", choices=None):
-    """A UlaSettings field. ``kind`` (gib | bool | choice | path) decides coercion and the CLI
+    """A UlaSettings field. ``kind`` (gib | fraction | int | bool | choice | path) decides coercion and the CLI
     flag's type; ``help`` is the flag's help and the README's text; ``choices`` is a callable
     (the policies live in the core, imported only when asked)."""
     return field(default=default, metadata=dict(kind=kind, help=help, metavar=metavar,
@@ -123,6 +123,11 @@ class UlaSettings:
         0, "int", "TP shard mode: rows per rank and layer group of the buffer of recently "
         "fetched remote rows (default 0: `max_num_seqs * index_topk`, at most 1/32 of the "
         "device rows).", metavar="N")
+    remote_buffer_min_hit_rate: float = _setting(
+        0.1, "fraction", "TP shard mode: fill the buffer of fetched remote rows only while at "
+        "least this share of the reads hit it (a running average; every 16th step fills "
+        "anyway, to notice reuse coming back). A buffer the reads seldom hit costs a settle a "
+        "step and saves almost no fetch. Default 0.1; 0 fills on every step.", metavar="R")
     tp_lockstep_check: bool = _setting(
         False, "bool", "TP shard mode, debugging: before each exchange the ranks compare a "
         "(step, op, layer) tag and raise on a mismatch instead of hanging (default false).")
@@ -199,6 +204,16 @@ def _coerce(name: str, value: Any) -> Any:
             raise KVBackendError(f"{flag} must be a number of GiB, got {value!r}") from None
         if not out >= 0 or out == float("inf"):
             raise KVBackendError(f"{flag} must be a finite number of GiB >= 0, got {value!r}")
+        return out
+    if kind == "fraction":
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            out = float(value)
+        except (TypeError, ValueError):
+            raise KVBackendError(f"{flag} must be a number from 0 to 1, got {value!r}") from None
+        if not 0.0 <= out <= 1.0:
+            raise KVBackendError(f"{flag} must be a number from 0 to 1, got {value!r}")
         return out
     if kind == "int":
         try:

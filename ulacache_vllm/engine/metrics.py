@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallback_chunks",
             "fast_path_exits", "replica_exits", "remote_lookups", "remote_hits", "remote_rows_fetched",
-            "remote_bytes_fetched", "failed_copies", "prefix_hit_entries",
+            "remote_bytes_fetched", "remote_fill_skips", "failed_copies", "prefix_hit_entries",
             "prefix_hit_entries_host")
 # The arena (hybrid models): cumulative counters from the scheduler, shipped per step.
 ARENA_COUNTERS = ("arena_compactions", "arena_relayouts", "arena_pages_moved",
@@ -95,10 +95,11 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "fallback_chunks": "Settles that promoted only part of a step's working set (it exceeded the device pool; the rest stays on the host and is staged when read).",
             "fast_path_exits": "Switches from identity placement (no translation) to mapped placement.",
             "replica_exits": "TP shard mode: switches from replicated rows (while everything fits one rank) to shards.",
-            "remote_lookups": "TP shard mode: unique remote (other ranks') entries read, per step.",
+            "remote_lookups": "TP shard mode: unique remote (other ranks') entries read, per read.",
             "remote_hits": "TP shard mode: remote entries read from the buffer of recently fetched rows.",
             "remote_rows_fetched": "TP shard mode: rows fetched from their owner ranks (per layer).",
             "remote_bytes_fetched": "TP shard mode: bytes of rows fetched from their owner ranks.",
+            "remote_fill_skips": "TP shard mode: steps (per layer group) that left the remote-row buffer as it was because reads seldom hit it (--ula-remote-buffer-min-hit-rate).",
             "failed_copies": "Copies in the worker's move path that failed (tier row copies; arena page-copy steps); the requests whose KV they lost ended with an error.",
             "prefix_hit_entries": "Prefix-cache hits: entries of cached blocks a new request took over (per layer group).",
             "prefix_hit_entries_host": "Prefix-cache hits whose entries sat in the host tier when the request took them over (read from there; promoted once attention selects them).",

@@ -41,6 +41,7 @@ class StoreCounters:
     remote_hits: int = 0
     remote_rows_fetched: int = 0
     remote_bytes_fetched: int = 0
+    remote_fill_skips: int = 0  # settles of the buffer skipped while reads seldom hit it
     failed_copies: int = 0  # tier copies that raised (their requests ended with an error)
     # Prefix-cache hits: entries of cached blocks new requests took over; those on the host.
     prefix_hit_entries: int = 0

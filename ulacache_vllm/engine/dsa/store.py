@@ -202,7 +202,8 @@ class UlaWorkerStore(TierMoves, ShardedRows):
             g.remote = RemoteRowBuffer(lay.num_blocks * lay.block_size, lay.remote_slots,
                                        rank=self.shard.rank, world_size=self.shard.world,
                                        device=self.device, lru=self.settings.lru,
-                                       replicated=True)
+                                       replicated=True,
+                                       min_hit_rate=self.settings.remote_buffer_min_hit_rate)
         self.groups.append(g)
         for n in names:
             self.group_of[n] = g
@@ -229,7 +230,10 @@ class UlaWorkerStore(TierMoves, ShardedRows):
                 sel = torch.cat([x.reshape(-1) for x in g.selected]) if g.selected else None
                 if g.remote is not None:
                     if sel is not None:
-                        self._settle_remote(g, sel, freed)
+                        if g.remote.fill_due():
+                            self._settle_remote(g, sel, freed)
+                        else:  # reads seldom hit the buffer: keep it as it is
+                            self.counters.remote_fill_skips += 1
                     g.remote.advance_round()
                     g.fetch_addrs = g.fetch_index = g.serve = None
                     g.width = 0

@@ -127,12 +127,6 @@ class ShardedRows:
                 live = self.glive.index_select(0, fetched)
                 fetched, index = fetched.masked_select(live), index.masked_select(live)
             keep, slots = g.remote.settle_read(sel, fetched)
-            # The counters count the remote addresses among the settle's own lookups.
-            u, hit = g.remote.last_lookup
-            u = u.numpy()  # (CPU only, as `_remote_read`)
-            rem = (u >= 0) & (u % sh.world != sh.rank)
-            self.counters.remote_lookups += int(np.count_nonzero(rem))
-            self.counters.remote_hits += int(np.count_nonzero(hit.numpy() & rem))
             n = keep.numel()
             if not n:
                 return
@@ -166,10 +160,14 @@ class ShardedRows:
             # reads the sentinel entry past the end (-1).
             bslot = g.remote.table.numpy()[np.where(valid & (lg < n), lg, n)]
             own = valid & (lg % P == sh.rank)
-            remote_hit = (bslot >= 0) & ~own
+            held = bslot >= 0
+            remote_hit = held & ~own
             dev = torch.from_numpy(np.where(remote_hit, bslot + self.remote_base,
                                             dev.numpy()))
-            miss = valid & (bslot < 0)
+            miss = valid & ~held
+            # The fill control's figures are the same on every rank (own entries included).
+            g.remote.note_read(int(np.count_nonzero(valid)), int(np.count_nonzero(held)))
+            nhit = np.unique(lg[remote_hit]).size  # unique remote entries served here
         with self.timed("exchange"), ex.timed("x_plan"):
             # Sorted, the same on every rank; inv: each miss's place in u.
             u, inv = np.unique(lg[miss], return_inverse=True)
@@ -186,9 +184,13 @@ class ShardedRows:
                 index = owner * width + rank_in
                 ids[miss] = index[inv.reshape(-1)]
                 ids[own] = -1  # owned misses are read locally
-                mine = torch.from_numpy(u[owner == sh.rank] // P)
+                is_mine = owner == sh.rank
+                mine = torch.from_numpy(u[is_mine] // P)
+                nmiss = u.size - int(np.count_nonzero(is_mine))
             else:
-                width, index, mine = 0, u, torch.from_numpy(u)
+                width, index, mine, nmiss = 0, u, torch.from_numpy(u), 0
+            self.counters.remote_lookups += nhit + nmiss
+            self.counters.remote_hits += nhit
             if self.identity:
                 serve = (mine, None)
             else:

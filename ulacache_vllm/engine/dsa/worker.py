@@ -90,8 +90,8 @@ class DsaWorker(LineWorker):
             "demotions": sum(g.mapping.stats.demotions for g in st.groups),
             "lookups": sum(g.mapping.stats.lookups for g in st.groups),
             "hits": sum(g.mapping.stats.hits for g in st.groups),
-            # TP shard mode (0 otherwise): unique remote entries read per step, buffer hits,
-            # rows and bytes fetched from their owners.
+            # TP shard mode (0 otherwise): unique remote entries read per read, buffer hits,
+            # rows and bytes fetched from their owners, settles of the buffer skipped.
             "replica_exits": t["replica_exits"],
             # Group steps whose settle and writes moved rows as one plan (no TP shard).
             "merged_plans": t["merged_plans"],
@@ -99,6 +99,7 @@ class DsaWorker(LineWorker):
             "remote_hits": t["remote_hits"],
             "remote_rows_fetched": t["remote_rows_fetched"],
             "remote_bytes_fetched": t["remote_bytes_fetched"],
+            "remote_fill_skips": t["remote_fill_skips"],
             # Row copies that failed in the move path, and the entries they lost (their
             # requests ended with an error).
             "failed_moves": t["failed_copies"],
