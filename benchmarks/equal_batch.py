@@ -55,6 +55,11 @@ exclusively (a phase's time excludes the wrapped phases inside it), so the phase
 add up to the step; ``execute_model`` exclusive is the model compute not otherwise named.
 Printed as ms per full-batch decode step, stock and ulacache side by side with the difference.
 
+``--torch-ops`` (TP=1): ``torch.profiler`` (CPU, self time per op) over each run's decode steps
+after the first; printed per shape as the ops' summed self time per step on the baseline and
+ulacache and the ops that differ most (what the forward itself costs on each side, apart
+from the step's Python).
+
     python benchmarks/equal_batch.py --quick                     # every mode, small
     python benchmarks/equal_batch.py --quick --modes dsa-fast --repeats 1 --profile
 
@@ -337,7 +342,16 @@ def _worker(cfg: dict) -> dict:
     orig_step = eng.step
     inner_step = prof.wrap("engine.step", orig_step) if cfg["profile"] else orig_step
 
+    # --torch-ops: torch.profiler (CPU, self time per op) over the timed run's decode
+    # steps after the first (TP=1: the forward runs in this process).
+    tprof = {"armed": False, "timed": False, "p": None, "steps": 0}
+
     def step():
+        if cfg.get("torch_ops") and tprof["armed"] and tprof["p"] is None:
+            from torch.profiler import ProfilerActivity, profile as tprofile
+
+            tprof["p"] = tprofile(activities=[ProfilerActivity.CPU])
+            tprof["p"].start()
         before = dict(prof.excl)
         st0 = dict(store.time_s) if store is not None else None
         cur.clear()
@@ -360,6 +374,10 @@ def _worker(cfg: dict) -> dict:
         if st0 is not None:
             rec["store"] = {k: v - st0.get(k, 0.0) for k, v in store.time_s.items()}
         steps.append(rec)
+        if tprof["p"] is not None:
+            tprof["steps"] += 1
+        elif rec["decode"] and tprof["timed"]:
+            tprof["armed"] = True  # from the next step on
         return out
 
     eng.step = step
@@ -408,9 +426,20 @@ def _worker(cfg: dict) -> dict:
         sc0 = _spec_counts(llm) if cfg["llm_kw"].get("speculative_config") else None
         steps.clear()
         prof.calls.clear()
+        tprof.update(armed=False, timed=True, p=None, steps=0)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         wall = time.perf_counter() - t0
+        tprof["timed"] = False
+        torch_ops = None
+        if tprof["p"] is not None:
+            tprof["p"].stop()
+            k = max(1, tprof["steps"])
+            ops = sorted(((e.key, e.self_cpu_time_total) for e in tprof["p"].key_averages()),
+                         key=lambda kv: -kv[1])
+            torch_ops = {"steps": tprof["steps"],
+                         "total_ms_per_step": sum(t for _, t in ops) / k / 1000,
+                         "ops_ms_per_step": {n: t / k / 1000 for n, t in ops[:60]}}
         h1 = _hist(llm, "vllm:inter_token_latency_seconds")
         sc1 = _spec_counts(llm) if sc0 is not None else None
         ub = usage()
@@ -440,6 +469,8 @@ def _worker(cfg: dict) -> dict:
              "itl_ms_mean": (1000 * (h1[1] - h0[1]) / (h1[0] - h0[0])) if h1[0] > h0[0]
              else None,
              "request_tpot_ms_mean": statistics.fmean(tpots) if tpots else None}
+        if torch_ops is not None:
+            r["torch_ops"] = torch_ops
         if sc0 is not None:  # drafts judged in the timed run, and the acceptance rate
             sd = {k: v - sc0.get(k, 0) for k, v in sc1.items()}
             sd["acceptance"] = sd.get("num_accepted_tokens", 0) / max(
@@ -902,6 +933,36 @@ def _fmt_profile(mode: str, plan: dict, prof: dict, summary: dict) -> list[str]:
     return lines
 
 
+def _fmt_torch_ops(mode: str, plan: dict, runs: list[dict], top: int = 8) -> list[str]:
+    """--torch-ops: per shape, the summed self CPU time of every torch op per decode step
+    (median over repeats) for the baseline and ulacache, and the ops that differ most."""
+    lines = []
+    ok = [r for r in runs if not r.get("failed") and not r.get("duplicate_of")]
+    for shape in plan["shapes"]:
+        per = {}
+        for n in (plan["baseline"], "ulacache"):
+            rows = [r["shapes"][shape]["torch_ops"] for r in ok if r["config"] == n
+                    and r["shapes"].get(shape, {}).get("torch_ops")]
+            if rows:
+                per[n] = rows
+        if len(per) < 2:
+            continue
+        b, u = per[plan["baseline"]], per["ulacache"]
+        med = lambda rows, op: statistics.median(x["ops_ms_per_step"].get(op, 0.0)  # noqa: E731
+                                                 for x in rows)
+        tb = statistics.median(x["total_ms_per_step"] for x in b)
+        tu = statistics.median(x["total_ms_per_step"] for x in u)
+        lines.append(f"\n-- {mode} / {shape}: torch ops, self CPU ms per decode step (after the "
+                     f"first; median over repeats; profiler overhead included on both sides): "
+                     f"{plan['baseline']} {tb:.3f}, ulacache {tu:.3f} ({tu - tb:+.3f}) --")
+        ops = {op for x in b + u for op in x["ops_ms_per_step"]}
+        diff = sorted(ops, key=lambda op: -abs(med(u, op) - med(b, op)))[:top]
+        for op in diff:
+            lines.append(f"  {op[:56]:<56} {med(b, op):9.3f} {med(u, op):9.3f} "
+                         f"{med(u, op) - med(b, op):+9.3f}")
+    return lines
+
+
 def _fmt_summary(mode: str, plan: dict, summary: dict, runs: list[dict]) -> list[str]:
     lines = [f"\n== {mode}: {plan['description']} =="]
     for shape, s in summary.items():
@@ -1067,6 +1128,10 @@ def main() -> None:
                     help="dsa-tp2: ulacache device rows per rank / batch tokens")
     ap.add_argument("--spec", default=None, metavar="METHOD[:K]",
                     help="speculative decoding on both sides: mtp[:K] or ngram[:K] (module doc)")
+    ap.add_argument("--torch-ops", action="store_true",
+                    help="TP=1: torch.profiler self CPU time per op over the decode steps "
+                         "after the first, per run; the summary compares ulacache's ops with "
+                         "the baseline's (what the forward itself costs on each side)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--bind", default="auto", help="TP=1: the CPU each engine is pinned to "
                     "(one OpenMP thread; default auto: the idlest CPU at the run's start); "
@@ -1128,6 +1193,7 @@ def main() -> None:
                        "llm_kw": dict(c["llm_kw"], disable_log_stats=not args.log_stats,
                                       **({"speculative_config": spec_cfg} if spec_cfg else {})),
                        "shapes": plan["shapes"], "profile": args.profile,
+                       "torch_ops": args.torch_ops and tp == 1,
                        "warmup": not args.no_warmup}
                 bind, pin = _bind(tp, args.bind)
                 print(f"[{time.strftime('%H:%M:%S')}] {mode} repeat {rep + 1}/{repeats}: "
@@ -1159,7 +1225,8 @@ def main() -> None:
         doc["modes"][mode] = {"plan": {k: v for k, v in plan.items()},
                               "summary": summary, "profile": prof,
                               "profile_all_steps": prof_all, "runs": runs}
-        lines = _fmt_summary(mode, plan, summary, runs) + _fmt_profile(mode, plan, prof, summary)
+        lines = (_fmt_summary(mode, plan, summary, runs) + _fmt_profile(mode, plan, prof, summary)
+                 + _fmt_torch_ops(mode, plan, runs))
         print("\n".join(lines), flush=True)
         report += lines
         doc["report"] = report
