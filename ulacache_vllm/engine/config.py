@@ -195,25 +195,18 @@ def _coerce(name: str, value: Any) -> Any:
     else is a KVBackendError naming the setting."""
     flag = f"ula_{name} ({flag_of(name)})"
     kind = UlaSettings.__dataclass_fields__[name].metadata["kind"]
-    if kind == "gib":
+    if kind in ("gib", "fraction"):
+        # (what a bad value is told it must be, whether a parsed number is in range)
+        what, ok = {"gib": ("a finite number of GiB >= 0", lambda x: 0 <= x < float("inf")),
+                    "fraction": ("a number from 0 to 1", lambda x: 0.0 <= x <= 1.0)}[kind]
         try:
             if isinstance(value, bool):
                 raise ValueError
             out = float(value)
         except (TypeError, ValueError):
-            raise KVBackendError(f"{flag} must be a number of GiB, got {value!r}") from None
-        if not out >= 0 or out == float("inf"):
-            raise KVBackendError(f"{flag} must be a finite number of GiB >= 0, got {value!r}")
-        return out
-    if kind == "fraction":
-        try:
-            if isinstance(value, bool):
-                raise ValueError
-            out = float(value)
-        except (TypeError, ValueError):
-            raise KVBackendError(f"{flag} must be a number from 0 to 1, got {value!r}") from None
-        if not 0.0 <= out <= 1.0:
-            raise KVBackendError(f"{flag} must be a number from 0 to 1, got {value!r}")
+            raise KVBackendError(f"{flag} must be {what}, got {value!r}") from None
+        if not ok(out):  # (nan fails every comparison)
+            raise KVBackendError(f"{flag} must be {what}, got {value!r}")
         return out
     if kind == "int":
         try:
