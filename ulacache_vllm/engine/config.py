@@ -86,9 +86,9 @@ def _lru_choices() -> tuple[str, ...]:
 
 
 def _setting(default: Any, kind: str, help: str, metavar: str = "", choices=None):
-    """A UlaSettings field. ``kind`` (gib | fraction | int | bool | choice | path) decides coercion and the CLI
-    flag's type; ``help`` is the flag's help and the README's text; ``choices`` is a callable
-    (the policies live in the core, imported only when asked)."""
+    """A UlaSettings field. ``kind`` (gib | fraction | int | bool | choice | path) decides
+    coercion and the CLI flag's type; ``help`` is the flag's help and the README's text;
+    ``choices`` is a callable (the policies live in the core, imported only when asked)."""
     return field(default=default, metadata=dict(kind=kind, help=help, metavar=metavar,
                                                 choices=choices))
 

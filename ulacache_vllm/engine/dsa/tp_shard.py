@@ -147,9 +147,9 @@ class ShardedRows:
         selection, same directory): each owner sends its own in one all-gather per layer
         (`_remote_rows`). Returns (device rows, ids into the gathered rows).
 
-        Shard mode runs on CPU tensors only (the CUDA glue refuses it), so the plan runs on
-        numpy views (zero-copy): its ~20 small array ops cost ~0.4 of torch's per-op dispatch
-        (`benchmarks/results/equal_batch.md`, TP section)."""
+        Shard mode runs on CPU tensors only (the CUDA glue refuses it), so the lookups and
+        the plan run on numpy views (zero-copy): ~20 small array ops a layer group, each
+        cheaper in numpy than through torch's dispatch."""
         sh, ex = self.shard, self.exchange
         P = sh.world
         with ex.timed("x_lookup"):
