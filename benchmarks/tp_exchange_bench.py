@@ -340,6 +340,14 @@ def main() -> None:
                   f"[{min(pr):.3f}, {max(pr):.3f}]")
     doc["summary"] = summary
     doc["loadavg_end"] = os.getloadavg()
+    sys.path.insert(0, str(HERE))
+    from _host import cpu_host
+
+    import subprocess
+
+    doc["host"] = cpu_host()
+    doc["commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"],
+                                   capture_output=True, text=True).stdout.strip()
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
 
