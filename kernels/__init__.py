@@ -14,7 +14,7 @@ The forward's resolve / stage / write translation (``resolve_impl(t)``: ``resolv
 ``resolve_reference``, same dispatch; the row convention and contract are in
 ``resolve_reference``'s doc) and ``host_view`` (``uva``: a device view of a pinned host pool).
 TP shard mode (CPU only) plans each layer group's read in one compiled pass
-(``shard_read_cpu``: numba, imported by the store only in shard mode). Nothing here imports
+(``shard_cpu``: numba, imported by the store only in shard mode). Nothing here imports
 vLLM.
 """
 

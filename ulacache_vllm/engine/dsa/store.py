@@ -111,10 +111,10 @@ class UlaWorkerStore(TierMoves, ShardedRows):
         self.exchange = exchange if exchange is not None and exchange.shard.world > 1 else None
         self.shard: TokenShard | None = self.exchange.shard if self.exchange else None
         if self.shard is not None:  # compiled (or loaded from numba's cache) before a forward
-            from ulacache_vllm.kernels import shard_read_cpu
+            from ulacache_vllm.kernels import shard_cpu
 
-            shard_read_cpu.warm_up()
-            self.read_plan = shard_read_cpu.shard_read_plan
+            shard_cpu.warm_up()
+            self.read_plan = shard_cpu.shard_read_plan
         P = self.shard.world if self.shard else 1
         self.num_local = layout.num_blocks * bs // P
         self.trash_slot = layout.device_slots  # one extra block past the pool takes padding

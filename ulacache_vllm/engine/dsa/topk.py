@@ -13,6 +13,7 @@ Scores are float32; positions travel through a float32 all-gather as raw bits
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -72,13 +73,10 @@ def unpack_candidates(packed: torch.Tensor):
 
 def merge_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
     """Global canonical top-k from every shard's candidates: ``scores``/``positions``
-    [P, n, k'] (padding: -inf / -1). Returns [n, k] int32 positions ascending, -1 padded."""
-    P, n, kp = scores.shape
-    s = scores.permute(1, 0, 2).reshape(n, P * kp)
-    p = positions.permute(1, 0, 2).reshape(n, P * kp).long()
-    big = torch.iinfo(torch.int64).max
-    order = torch.where(p >= 0, p, torch.full_like(p, big)).argsort(dim=-1, stable=True)
-    s = s.gather(1, order)
-    p = p.gather(1, order)
-    s = torch.where(p >= 0, s, torch.full_like(s, NEG_INF))
-    return canonical_topk(s, p, k)
+    [P, n, k'] CPU tensors (padding: -inf / -1). Returns [n, k] int32 positions ascending, -1
+    padded. One compiled pass (`kernels.shard_cpu.merge_topk`): shard mode runs on CPU only."""
+    from ulacache_vllm.kernels.shard_cpu import merge_topk
+
+    s = np.ascontiguousarray(scores.float().numpy())
+    p = np.ascontiguousarray(positions.to(torch.int32).numpy())
+    return torch.from_numpy(merge_topk(s, p, k))

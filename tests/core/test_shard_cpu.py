@@ -1,13 +1,14 @@
-"""`kernels.shard_read_cpu.shard_read_plan` (TP shard mode's compiled read plan) against an
-independent numpy formulation of the same plan (whole-array ops: the code it replaced), on
-random selections, directories and world sizes; and the properties every rank relies on."""
+"""`kernels.shard_cpu` (TP shard mode's compiled CPU kernels): the read plan against an
+independent numpy formulation of the same plan (whole-array ops: the code it replaced) and
+the properties every rank relies on; the candidate merge against a brute-force sort.
+(`tests/test_tp_shard.py` checks the merge through the indexer's candidates too.)"""
 from __future__ import annotations
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ulacache_vllm.kernels.shard_read_cpu import shard_read_plan, warm_up
+from ulacache_vllm.kernels.shard_cpu import merge_topk, shard_read_plan, warm_up
 
 
 def oracle(lg, table, dev, rank, P, base):
@@ -97,3 +98,35 @@ def test_warm_up_compiles_and_empty_selection():
     out = shard_read_plan(z, np.full(5, -1, dtype=np.int64), z, 0, 2, 7)
     assert [np.asarray(x).size for x in out[:5]] == [0] * 5
     assert out[5:] == (0, 0, 0, 0, 0)
+
+
+def brute_merge(scores, positions, k):
+    P, n, kp = scores.shape
+    out = np.full((n, k), -1, dtype=np.int32)
+    for t in range(n):
+        c = sorted((-float(scores[r, t, j]), int(positions[r, t, j]))
+                   for r in range(P) for j in range(kp)
+                   if positions[r, t, j] >= 0 and scores[r, t, j] > -np.inf)
+        sel = sorted(p for _, p in c[:k])
+        out[t, :len(sel)] = sel
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 5), st.integers(0, 12), st.integers(1, 20),
+       st.integers(0, 2**32 - 1))
+def test_merge_takes_the_best_by_score_then_position(P, n, kp, k, seed):
+    rng = np.random.default_rng(seed)
+    # Few distinct scores (ties at the k-th place), -inf and NaN scores at real positions
+    # (never candidates), -1 padding; positions distinct across ranks, some past 2**24.
+    scores = rng.integers(-2, 3, size=(P, n, kp)).astype(np.float32)
+    scores[rng.random((P, n, kp)) < 0.2] = -np.inf
+    scores[rng.random((P, n, kp)) < 0.05] = np.nan
+    pos = np.zeros((P, n, kp), dtype=np.int64)
+    for t in range(n):
+        pos[:, t] = rng.permutation(200)[: P * kp].reshape(P, kp)
+    pos = (pos + (1 << 24) * (seed % 2)).astype(np.int32)
+    pos[rng.random((P, n, kp)) < 0.15] = -1
+    got = merge_topk(scores, pos, k)
+    assert got.dtype == np.int32 and got.shape == (n, k)
+    assert np.array_equal(got, brute_merge(scores, pos, k))
