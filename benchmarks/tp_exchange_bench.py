@@ -6,8 +6,9 @@ Two gloo ranks (two processes, one invocation, as `tests/_tp_workers.py`) each d
 float32 per row, top-k 16, 6 requests of 192 tokens + 24 out, each rank's device pool 0.75 of
 the batch's tokens, a remote-row buffer of requests x top-k rows) exactly as the engine does
 per step: ``begin_step`` (frees, settle of local and remote rows, writes), the KV write, then
-per layer the indexer's candidate all-gather (a [T, 2K] float32 payload, as
-`cpu_indexer._sharded_forward` sends), ``resolve`` (buffer lookups, the step's miss plan) and
+per layer the indexer's candidate exchange as `cpu_indexer._sharded_forward` runs it (pack a
+[T, 2K] float32 payload, all-gather, unpack, merge the global top-k; the candidates are random,
+from their own seed), ``resolve`` (buffer lookups, the step's miss plan) and
 ``staged_rows`` (the row all-gather). Attention is left out (the same on both sides); every
 read row is checked against the bytes written for its address.
 
@@ -74,10 +75,12 @@ class Sim:
                            tp_world=P, remote_slots=remote)
         self.mods = {n: SimpleNamespace(kv_cache=None, impl=SimpleNamespace()) for n in layers}
         self.ex = tp.TPExchange(tp.TokenShard(rank, P), group, lockstep_check=False)
+        self.topk = mod("engine.dsa.topk")
         self.st = mod("engine.dsa.store").UlaWorkerStore(layout, UlaSettings(), self.mods,
                                                           torch.device("cpu"), None, self.ex)
         self.args, self.L, self.N, self.K = args, L, N, K
         self.g = torch.Generator().manual_seed(args.seed)
+        self.gc = torch.Generator().manual_seed(args.seed + 1)  # candidates (own stream)
         base = torch.arange(N) * per_req + bs  # block 0 is vLLM's null block
         self.base = base[torch.randperm(N, generator=self.g)]
         self.times = {k: [] for k in PHASES}
@@ -108,9 +111,18 @@ class Sim:
             rows[slots] = (addrs.float() * 10 + li).unsqueeze(1).expand(-1, self.head)
 
     def _candidates(self, T: int, li: int):
+        """The indexer's exchange as `cpu_indexer._sharded_forward` runs it: pack this rank's
+        candidates, all-gather, unpack, merge into the global top-k."""
         import torch
 
-        self.ex.all_gather(torch.zeros(T, 2 * self.K), "candidates", li)
+        tk = self.topk
+        r = self.ex.shard.rank
+        vals = torch.randn(T, self.K, generator=self.gc)
+        pos = (torch.randperm(4 * self.K * T, generator=self.gc)[: T * self.K]
+               .view(T, self.K) * 2 + r).int().sort(dim=-1).values  # this rank's
+        everyone = self.ex.all_gather(tk.pack_candidates(vals, pos), "candidates", li)
+        sc, pc = tk.unpack_candidates(everyone)
+        tk.merge_candidates(sc, pc, self.K)
 
     def _read(self, logical, check: bool):
         """Per layer: candidates, resolve, staged rows; returns the phase times."""
