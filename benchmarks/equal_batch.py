@@ -44,6 +44,16 @@ vLLM's ``vllm:spec_decode_*`` counters over the timed ``generate`` (drafts, draf
 accepted tokens), reported per side beside the step-time ratio and the token identity. Files
 ``equal_batch[_quick]_spec_<method>``.
 
+``--dsa-model-variant stable:RHO[:PE]`` (DSA modes): the DSA model's variant from
+``benchmarks/lab/stable_indexer.py`` whose indexer top-k repeats from step to step (the random
+model's barely does), built beside the model in ``models_cache``. ``--indexer-overlap`` (implied
+by a variant; TP=1 modes): after the pairs, one more ulacache run of the same batch, untimed and
+without warm-up, with ulacache's selection trace on; its step-to-step top-k overlap (per
+request and layer group) goes into the mode's summary (``indexer_overlap``) with whether that
+run's outputs equal stock's. At TP=1 every ulacache run also records its store's counters per
+full-batch decode step (``store_counts_per_decode_step``: lookups, hits, promotions, demotions
+in the decode steps alone, the prefill's demotions left out).
+
 ``--profile``: every engine (both backends alike) also wraps, from this script and without
 touching product code, the scheduler's ``schedule`` / ``update_from_output``, the KV cache
 manager's ``allocate_slots`` (and the arena's ``allocate``), the connector's
@@ -102,6 +112,8 @@ ARENA_MODELS = {
                    overrides=dict(initializer_range=0.1, tie_word_embeddings=False)),
 }
 ARENA_KV_BYTES = 256 * MiB
+# DSA store counters recorded per engine step (ulacache, TP=1: the store is in this process)
+STEP_COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved")
 MODES = ("dsa-fast", "dsa-pressure", "dsa-tp2") + tuple(f"arena-{m}" for m in ARENA_MODELS)
 
 # Shapes: (requests N, prompt tokens L, output tokens M).
@@ -214,7 +226,7 @@ def _install_engine_wrappers(prof: Prof, llm, profile: bool, cur: dict,
         return out
 
     sch.schedule = prof.wrap("sched.schedule", schedule) if profile else schedule
-    info = {"store": None}
+    info = {"store": _ula_store()}  # (TP=1 ulacache: its per-step timers and counters)
     if not profile:
         return info
     sch.update_from_output = prof.wrap("sched.update_from_output", sch.update_from_output)
@@ -240,13 +252,7 @@ def _install_engine_wrappers(prof: Prof, llm, profile: bool, cur: dict,
         info["indexers_wrapped"] = llm.apply_model(wrap_indexers)  # in-process at TP=1
     except Exception as e:  # noqa: BLE001 - TP > 1: the model lives in worker processes
         info["indexers_wrapped"] = repr(e)[:200]
-    try:  # TP=1: the worker is in this process; its store's timers feed the profile too
-        from ulacache_vllm.engine.connector import ula_connector
-
-        conn = ula_connector()
-        store = getattr(getattr(conn, "worker", None), "store", None)
-    except Exception:  # noqa: BLE001 - no connector (stock) or not in this process
-        store = None
+    store = info["store"]  # TP=1: its timers feed the profile too
     if store is not None:
         import contextlib
 
@@ -264,6 +270,18 @@ def _install_engine_wrappers(prof: Prof, llm, profile: bool, cur: dict,
         store.timed = timed
         info["store"] = store
     return info
+
+
+def _ula_store():
+    """The DSA worker store when the worker is in this process (ulacache, TP=1), else None."""
+    try:
+        from ulacache_vllm.engine.connector import ula_connector
+
+        conn = ula_connector()
+        store = getattr(getattr(conn, "worker", None), "store", None)
+        return store if hasattr(store, "totals") and hasattr(store, "time_s") else None
+    except Exception:  # noqa: BLE001 - no connector (stock) or not in this process
+        return None
 
 
 def _spec_bytes(llm) -> dict:
@@ -327,6 +345,8 @@ def _worker(cfg: dict) -> dict:
     wrapped = _install_class_wrappers(prof) if cfg["profile"] else []
     from vllm import LLM, SamplingParams
 
+    if cfg.get("trace_path"):  # --indexer-overlap's extra run: ulacache's selection trace
+        cfg["llm_kw"] = dict(cfg["llm_kw"], ula_trace_path=cfg["trace_path"])
     t_boot = time.perf_counter()
     llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True, seed=0,
               **cfg["llm_kw"])
@@ -354,6 +374,7 @@ def _worker(cfg: dict) -> dict:
             tprof["p"].start()
         before = dict(prof.excl)
         st0 = dict(store.time_s) if store is not None else None
+        sc0 = store.totals() if store is not None else None
         cur.clear()
         ru0 = resource.getrusage(resource.RUSAGE_THREAD)
         c0 = time.thread_time()
@@ -373,6 +394,8 @@ def _worker(cfg: dict) -> dict:
                          if v != before.get(k, 0.0)}
         if st0 is not None:
             rec["store"] = {k: v - st0.get(k, 0.0) for k, v in store.time_s.items()}
+            sc1 = store.totals()
+            rec["counts"] = {k: sc1[k] - sc0[k] for k in STEP_COUNTERS}
         steps.append(rec)
         if tprof["p"] is not None:
             tprof["steps"] += 1
@@ -471,6 +494,10 @@ def _worker(cfg: dict) -> dict:
              "request_tpot_ms_mean": statistics.fmean(tpots) if tpots else None}
         if torch_ops is not None:
             r["torch_ops"] = torch_ops
+        if cfg.get("trace_path"):  # (no warm-up in this run: the trace is this generate's)
+            from lab.stable_indexer import overlap_from_trace
+
+            r["indexer_overlap"] = overlap_from_trace(cfg["trace_path"], cfg["topk"])
         if sc0 is not None:  # drafts judged in the timed run, and the acceptance rate
             sd = {k: v - sc0.get(k, 0) for k, v in sc1.items()}
             sd["acceptance"] = sd.get("num_accepted_tokens", 0) / max(
@@ -492,6 +519,10 @@ def _worker(cfg: dict) -> dict:
         if store is not None and full:
             r["store_ms_per_decode_step"] = {
                 k: 1000 * sum(s["store"][k] for s in full) / len(full) for k in store.time_s}
+            # the store's counters in the full-batch decode steps only (prefill's demotions
+            # of rows that do not fit the device pool left out), per step
+            r["store_counts_per_decode_step"] = {
+                k: sum(s["counts"][k] for s in full) / len(full) for k in STEP_COUNTERS}
         if ua is not None and ub is not None:
             per_rank = []
             for a, b in zip(ua, ub):
@@ -599,10 +630,25 @@ def _model(name: str, overrides: dict | None, dirname: str) -> str:
 
 def _dsa_model(args) -> str:
     if args.model:
-        return args.model
-    if _spec_config(args.spec or "").get("method") == "mtp":
-        return _model("deepseek_v32", {"num_nextn_predict_layers": 1}, "bench-deepseek-v32-mtp")
-    return _model("deepseek_v32", None, "bench-deepseek-v32")
+        model = args.model
+    elif _spec_config(args.spec or "").get("method") == "mtp":
+        model = _model("deepseek_v32", {"num_nextn_predict_layers": 1}, "bench-deepseek-v32-mtp")
+    else:
+        model = _model("deepseek_v32", None, "bench-deepseek-v32")
+    v = _variant_rho(args)
+    if v is None:
+        return model
+    from lab.stable_indexer import build_variant
+
+    return str(build_variant(model, *v))
+
+
+def _variant_rho(args) -> tuple[float, float] | None:
+    """--dsa-model-variant stable:RHO[:PE] (benchmarks/lab/stable_indexer.py): (RHO, PE);
+    None: the model itself."""
+    from lab.stable_indexer import parse_variant
+
+    return parse_variant(getattr(args, "dsa_model_variant", None))
 
 
 def _spec_config(arg: str) -> dict:
@@ -653,6 +699,7 @@ def plan_mode(mode: str, args) -> dict:
         base = dict(DSA_PATH, max_model_len=mml, max_num_seqs=n, max_num_batched_tokens=budget)
         tp = 2 if mode == "dsa-tp2" else 1
         plan = {"model": model, "dtype": DSA_DTYPE, "tp": tp,
+                "model_variant": getattr(args, "dsa_model_variant", None) or "random",
                 "shapes": {"batch": (n, plen, olen)}, "baseline": "stock",
                 "batch_tokens": batch_tokens, "topk": topk, "step_budget": budget,
                 "prefill_steps_expected": -(-n // max(1, budget // plen))}
@@ -844,6 +891,11 @@ def summarize(plan: dict, runs: list[dict]) -> dict:
                                            for rk, d in store.items()}
         s["ulacache_counters"] = {rk: {k: statistics.median(v) for k, v in d.items() if any(v)}
                                   for rk, d in counters.items()}
+        dec = [sh["store_counts_per_decode_step"] for r in by["ulacache"].values()
+               if (sh := r["shapes"].get(shape) or {}).get("store_counts_per_decode_step")]
+        if dec:  # rank 0, full-batch decode steps only; medians over repeats
+            s["ulacache_counts_per_decode_step"] = {
+                k: statistics.median(d[k] for d in dec) for k in dec[0]}
         out[shape] = s
     return out
 
@@ -996,11 +1048,27 @@ def _fmt_summary(mode: str, plan: dict, summary: dict, runs: list[dict]) -> list
             if d:
                 lines.append(f"  ulacache counters ({rk}, timed run): " + ", ".join(
                     f"{k} {v:g}" for k, v in d.items()))
+        dc = s.get("ulacache_counts_per_decode_step")
+        if dc:
+            lines.append("  ulacache counters per full-batch decode step (rank0): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in dc.items()) + (
+                f"; device hit rate {dc['hits'] / dc['lookups']:.3f}" if dc.get("lookups")
+                else "") + f"; rows moved {dc['promotions'] + dc['demotions']:.1f}")
         for k, reps in (s.get("spec_decode_by_config") or {}).items():
             lines.append(f"  speculative decoding, {k} (per repeat): " + "; ".join(
                 f"{d.get('num_drafts', 0):g} drafts, {d.get('num_draft_tokens', 0):g} draft "
                 f"tokens, {d.get('num_accepted_tokens', 0):g} accepted "
                 f"(rate {d.get('acceptance', 0):.3f})" for d in reps))
+        ov = s.get("indexer_overlap")
+        if ov is not None or "overlap_run_tokens_identical" in s:
+            ov = ov or {}
+            lines.append(f"  model {plan.get('model_variant', 'random')}: indexer top-k "
+                         "step-to-step overlap (untimed traced ulacache run) " + (
+                             f"mean {ov['mean']:.3f}, median {ov['median']:.3f}, p10 "
+                             f"{ov['p10']:.3f}, p90 {ov['p90']:.3f} ({ov['samples']} samples)"
+                             if "mean" in ov else "not measured")
+                         + "; traced run token-identical to stock: "
+                         + ("yes" if s.get("overlap_run_tokens_identical") else "NO"))
         ti = s["tokens_identical"]
         lines.append("  outputs token-identical to stock: " + ", ".join(
             f"{k} {'yes' if v else 'NO'}" for k, v in ti.items() if k != plan["baseline"]))
@@ -1104,6 +1172,39 @@ def resummarize(path: Path) -> None:
     print(f"rewrote {path} and {path.with_suffix('.png')}")
 
 
+def _overlap_run(mode: str, plan: dict, args, stem: str) -> dict:
+    """--indexer-overlap: one untimed ulacache run of the mode's batch with the selection trace
+    on (no warm-up, so the trace holds exactly the batch's generate), the step-to-step top-k
+    overlap per shape from it (lab/stable_indexer.py ``overlap_from_trace``)."""
+    import tempfile
+
+    c = plan["configs"]["ulacache"]
+    with tempfile.TemporaryDirectory(prefix="eb_trace_") as d:
+        cfg = {"name": f"{mode}/ulacache-trace", "backend": "ulacache", "model": plan["model"],
+               "dtype": plan["dtype"],
+               "llm_kw": dict(c["llm_kw"], disable_log_stats=not args.log_stats),
+               "shapes": plan["shapes"], "profile": False, "torch_ops": False,
+               "warmup": False, "trace_path": str(Path(d) / f"{stem}.jsonl"),
+               "topk": plan["topk"]}
+        bind, pin = _bind(1, args.bind)
+        print(f"[{time.strftime('%H:%M:%S')}] {mode}: ulacache with the selection trace "
+              f"(overlap, untimed) ...", flush=True)
+        r = _spawn(cfg, bind, pin, args.timeout)
+    if r.get("failed"):
+        print(f"  FAILED: {r['failed']}\n{(r.get('stderr_tail') or '')[-2500:]}", flush=True)
+        return {"failed": r["failed"]}
+    out = {s: v.get("indexer_overlap") for s, v in r["shapes"].items()}
+    out["tokens_sha256"] = {s: v["tokens_sha256"] for s, v in r["shapes"].items()}
+    out["ulacache_counters"] = {s: (v.get("ulacache") or [{}])[0].get("totals")
+                                for s, v in r["shapes"].items()}
+    for s, ov in out.items():
+        if isinstance(ov, dict) and "mean" in ov:
+            print(f"  {s}: top-k overlap mean {ov['mean']:.3f} (median {ov['median']:.3f}, "
+                  f"p10 {ov['p10']:.3f}, p90 {ov['p90']:.3f}; {ov['samples']} samples)",
+                  flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1132,6 +1233,17 @@ def main() -> None:
                     help="TP=1: torch.profiler self CPU time per op over the decode steps "
                          "after the first, per run; the summary compares ulacache's ops with "
                          "the baseline's (what the forward itself costs on each side)")
+    ap.add_argument("--dsa-model-variant", default=None, metavar="stable:RHO[:PE]",
+                    help="DSA modes: a variant of the DSA model whose indexer top-k repeats "
+                         "from step to step (benchmarks/lab/stable_indexer.py: token "
+                         "embeddings share a component of weight RHO, the indexer keys' RoPE "
+                         "half scaled by PE, default 1); implies "
+                         "--indexer-overlap (default: the model itself)")
+    ap.add_argument("--indexer-overlap", action="store_true",
+                    help="DSA modes at TP=1: after the pairs, one more ulacache run (no "
+                         "warm-up, not timed) with its selection trace on, to measure the "
+                         "indexer's step-to-step top-k overlap on the same batch (recorded "
+                         "per mode as indexer_overlap)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--bind", default="auto", help="TP=1: the CPU each engine is pinned to "
                     "(one OpenMP thread; default auto: the idlest CPU at the run's start); "
@@ -1220,11 +1332,22 @@ def main() -> None:
                         r["duplicate_of"] = seen[bsz]
                         skip.add(name)
         summary = summarize(plan, [r for r in runs if not r.get("duplicate_of")])
+        overlap = None
+        if (mode.startswith("dsa-") and plan["tp"] == 1
+                and (args.indexer_overlap or _variant_rho(args) is not None)):
+            overlap = _overlap_run(mode, plan, args, stem)
+            for shape, s in summary.items():
+                s["indexer_overlap"] = overlap.get(shape)
+                stock_h = s["tokens_sha256_by_config"].get(plan["baseline"]) or []
+                s["overlap_run_tokens_identical"] = (
+                    (overlap.get("tokens_sha256") or {}).get(shape) in stock_h)
         prof = profile_table(plan, runs) if args.profile else {}
         prof_all = profile_table(plan, runs, "all") if args.profile else {}
         doc["modes"][mode] = {"plan": {k: v for k, v in plan.items()},
                               "summary": summary, "profile": prof,
                               "profile_all_steps": prof_all, "runs": runs}
+        if overlap is not None:
+            doc["modes"][mode]["overlap_run"] = overlap
         lines = (_fmt_summary(mode, plan, summary, runs) + _fmt_profile(mode, plan, prof, summary)
                  + _fmt_torch_ops(mode, plan, runs))
         print("\n".join(lines), flush=True)
