@@ -22,7 +22,7 @@ BS = 16
 
 
 def make_store(device_slots=64, host_slots=512, layers=("l.0", "l.1"), leaders=("l.0", "l.1"),
-               lru="pblru"):
+               lru="pblru", host_in_view=None):
     layout = UlaLayout(block_size=BS, device_slots=device_slots, host_slots=host_slots,
                        num_logical=device_slots + host_slots,
                        num_blocks=(device_slots + host_slots) // BS + 1,
@@ -30,7 +30,8 @@ def make_store(device_slots=64, host_slots=512, layers=("l.0", "l.1"), leaders=(
                        mla_row_bytes={n: HEAD * 4 for n in layers}, mla_head_size=HEAD,
                        mla_dtype="float32", indexer_bytes_per_token=0)
     mods = {n: SimpleNamespace(kv_cache=None, impl=SimpleNamespace()) for n in layers}
-    return UlaWorkerStore(layout, UlaSettings(lru=lru), mods, torch.device("cpu")), mods
+    return UlaWorkerStore(layout, UlaSettings(lru=lru), mods, torch.device("cpu"),
+                          host_in_view=host_in_view), mods
 
 
 def step(store, mods, addrs, freed=()):
@@ -47,7 +48,8 @@ def _row(addrs, li):
 
 
 def read_all(mods, logical, req_of_token):
-    """What attention reads for ``logical`` in each layer: device rows, host rows staged."""
+    """What attention reads for ``logical`` in each layer: rows of its view of the pool(s)
+    (the device pool, and the host pool where it is in that view), host rows staged."""
     out = {}
     for name, mod in mods.items():
         t = mod.impl.translator
@@ -107,9 +109,23 @@ def test_padding_writes_go_to_the_trash_row_not_a_live_slot():
     assert torch.equal(after[:16], before[:16])  # nothing live was overwritten
 
 
-@pytest.mark.parametrize("lru", LRU_CHOICES)
-def test_forward_only_resolves_and_stages_and_the_next_step_settles(lru):
-    store, mods = make_store(device_slots=64, host_slots=512, lru=lru)
+def _host_reads(store, mods, picks) -> int:
+    """How many of a read's entries come from the host pool (staged, or in place)."""
+    n = 0
+    for name, mod in mods.items():
+        dev, staged = mod.impl.translator.resolve(name, picks, None)
+        n += sum(int((x >= 0).sum()) for x in staged)
+        if store.host_base is not None:
+            n += int((dev >= store.host_base).sum())
+    return n
+
+
+@pytest.mark.parametrize("lru,host_in_view", [(x, True) for x in LRU_CHOICES] + [
+    ("pblru", False)])
+def test_forward_only_resolves_and_stages_and_the_next_step_settles(lru, host_in_view):
+    store, mods = make_store(device_slots=64, host_slots=512, lru=lru,
+                             host_in_view=host_in_view)
+    assert (store.host_base is not None) == host_in_view
     live = []
     for s in range(10):  # 10 steps x 40 new tokens = 400 entries >> 64 device slots
         a = torch.arange(16 + s * 40, 16 + (s + 1) * 40)
@@ -134,15 +150,17 @@ def test_forward_only_resolves_and_stages_and_the_next_step_settles(lru):
     for (loc0, d0, h0), (loc1, d1, h1) in zip(before, _tables(store)):
         assert torch.equal(loc0, loc1) and (d0, h0) == (d1, h1)
     assert vars(store.counters) == counters
-    on_host = [sum((x >= 0).sum().item() for x in t.resolve(n, picks, None)[1])
-               for n, t in ((n, mods[n].impl.translator) for n in mods)]
-    assert sum(on_host) > 0, "the test must read some host rows"
+    assert _host_reads(store, mods, picks) > 0, "the test must read some host rows"
+    if host_in_view:  # read in place: nothing staged, the view spans both pools
+        assert all(not t.resolve(n, picks, None)[1] for n, t in
+                   ((n, mods[n].impl.translator) for n in mods))
     # The next step's pre-forward half settles the read: the picks are device-resident now.
     store.begin_step([], {})
     assert store.counters.promotions > 0 and store.counters.lookups > store.counters.hits > 0
     for name, mod in mods.items():
         dev, staged = mod.impl.translator.resolve(name, picks, None)
         assert bool((dev[valid] >= 0).all()) and all(bool((x < 0).all()) for x in staged)
+    assert _host_reads(store, mods, picks) == 0
     assert {getattr(g.mapping.policy, "inner", g.mapping.policy).name for g in store.groups} == {lru}
     # Freeing every block returns both pools to empty and re-enables identity placement.
     store.begin_step(sorted(set((live // BS).tolist())), {})
@@ -150,8 +168,10 @@ def test_forward_only_resolves_and_stages_and_the_next_step_settles(lru):
     assert store.identity
 
 
-def test_a_selection_larger_than_the_device_pool_is_read_exactly_and_settled_in_part():
-    store, mods = make_store(device_slots=64, host_slots=512)
+@pytest.mark.parametrize("host_in_view", [True, False])
+def test_a_selection_larger_than_the_device_pool_is_read_exactly_and_settled_in_part(
+        host_in_view):
+    store, mods = make_store(device_slots=64, host_slots=512, host_in_view=host_in_view)
     live = []
     for s in range(10):
         a = torch.arange(16 + s * 40, 16 + (s + 1) * 40)
@@ -162,6 +182,7 @@ def test_a_selection_larger_than_the_device_pool_is_read_exactly_and_settled_in_
     g = torch.Generator().manual_seed(1)
     picks = torch.stack([live[torch.randperm(live.numel(), generator=g)[:24]] for _ in range(8)])
     got = read_all(mods, picks, torch.arange(8))  # 192 distinct-ish rows > 64 device slots
+    assert _host_reads(store, mods, picks) > 0
     for li, name in enumerate(mods):
         assert torch.equal(got[name].reshape(-1, HEAD), _row(picks.reshape(-1), li))
     store.begin_step([], {})

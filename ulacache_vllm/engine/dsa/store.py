@@ -27,7 +27,9 @@ The worker contract, stated once (`tests/test_worker_store.py` checks each claus
   committed table to a device row or a host row (one gather) and logs the selection for
   *settle*; *stage* gathers the host rows' bytes beside the device rows (attention's gather
   reads `[staging | device pool]`); *attend*. Writes go to the rows fixed in step 4; padding
-  writes go to a trash row past the pool.
+  writes go to a trash row past the pool. Where both pools live in the same memory (the CPU
+  build: ``host_in_view``), one tensor holds them, attention's view spans both, and resolve
+  reads a host row as row ``host_base + host slot`` of that view: nothing is staged.
 * Exception: a layer whose write slots were not in the pre-forward context (an MTP draft layer
   writes in the drafter's own forward) assigns them on first use, inside that forward.
 * A failed copy (`moves.TierMoves._apply`) never kills the engine and is never read: the move's entries are
@@ -86,6 +88,7 @@ class _Group:
     selected: list[torch.Tensor] = field(default_factory=list)  # logged for settle
     host_live: bool = False  # any host row may be read this step (fixed by begin_step)
     read_host: bool = False  # this step's read stages host rows (fixed by resolve)
+    # (With the host pool in attention's view, host rows are read in place, never staged.)
     staging: dict[str, torch.Tensor] = field(default_factory=dict)
     # TP shard mode: the remote-row buffer (a directory kept identically on every rank), this
     # step's misses (unique addresses, sorted, the same on every rank; where each lands in
@@ -101,7 +104,8 @@ class _Group:
 
 class UlaWorkerStore(TierMoves, ShardedRows):
     def __init__(self, layout: UlaLayout, settings: UlaSettings, layers: dict, device: torch.device,
-                 trace_file: str | None = None, exchange: TPExchange | None = None):
+                 trace_file: str | None = None, exchange: TPExchange | None = None,
+                 host_in_view: bool | None = None):
         self.layout = layout
         self.settings = settings
         self.device = device
@@ -123,6 +127,12 @@ class UlaWorkerStore(TierMoves, ShardedRows):
         remote = layout.remote_slots if self.shard else 0
         rows = -(-(self.remote_base + remote) // bs) * bs
         pin = device.type == "cuda"
+        # Host pool in attention's view (module doc): where device rows are host memory too.
+        self.host_in_view = device.type == "cpu" if host_in_view is None else host_in_view
+        if self.host_in_view and device.type != "cpu":
+            raise ValueError("host_in_view needs the device pool in host memory (CPU)")
+        self.host_base = rows if self.host_in_view else None
+        hrows = -(-layout.host_slots // bs) * bs  # whole blocks in attention's view
         self.device_bytes: dict[str, torch.Tensor] = {}
         self.host_bytes: dict[str, torch.Tensor] = {}
         self.host_rows: dict[str, torch.Tensor] = {}  # host pools viewed in the KV dtype
@@ -130,13 +140,20 @@ class UlaWorkerStore(TierMoves, ShardedRows):
         self.layer_index = {n: i for i, n in enumerate(layout.mla_layers)}
         for name in layout.mla_layers:
             rb = layout.mla_row_bytes[name]
-            self.device_bytes[name] = torch.zeros(rows, rb, dtype=torch.uint8, device=device)
-            self.host_bytes[name] = torch.zeros(layout.host_slots, rb, dtype=torch.uint8,
-                                                device="cpu", pin_memory=pin)
+            if self.host_in_view:
+                both = torch.zeros(rows + hrows, rb, dtype=torch.uint8, device=device)
+                self.device_bytes[name] = both[:rows]
+                self.host_bytes[name] = both[rows:rows + layout.host_slots]
+                view = both
+            else:
+                self.device_bytes[name] = torch.zeros(rows, rb, dtype=torch.uint8,
+                                                      device=device)
+                self.host_bytes[name] = torch.zeros(layout.host_slots, rb, dtype=torch.uint8,
+                                                    device="cpu", pin_memory=pin)
+                view = self.device_bytes[name]
             self.host_rows[name] = self.host_bytes[name].view(self.dtype)
-            # Attention and writes see the device pool in vLLM's [blocks, block, head] shape.
-            layers[name].kv_cache = self.device_bytes[name].view(self.dtype).view(
-                -1, bs, layout.mla_head_size)
+            # Attention and writes see the pool(s) in vLLM's [blocks, block, head] shape.
+            layers[name].kv_cache = view.view(self.dtype).view(-1, bs, layout.mla_head_size)
         # Both pools of each layer as whole words, for the moves (`_bytes`).
         self._wide_rows = {n: (self._wide(self.device_bytes[n]), self._wide(self.host_bytes[n]))
                            for n in layout.mla_layers}

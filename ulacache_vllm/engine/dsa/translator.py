@@ -3,7 +3,8 @@
 before the forward; *resolve* the indexer's logical top-k through the committed mapping table
 (`TieredMapping.locate`) into device rows and host rows; in TP shard mode, remote rows from the
 buffer of recent ones or, for this step's misses, one all-gather per layer from their owners;
-*stage* the host and fetched rows beside the device rows for attention's gather. Fixed-shape
+*stage* the host and fetched rows beside the device rows for attention's gather (host rows
+are read in place where the host pool is in attention's view: the CPU build). Fixed-shape
 tensor work, no moves, no host reads except the exchange's collective (module doc of `store`).
 """
 from __future__ import annotations
@@ -59,13 +60,16 @@ class GroupTranslator(KVTranslator):
             sh = st.shard
             local = logical if sh is None else sh.local(logical)
             staged = []
-            g.read_host = not st.identity and g.host_live
+            host_live = not st.identity and g.host_live
+            g.read_host = host_live and st.host_base is None
             if st.identity:
                 dev = local
             else:
                 dev, host = g.mapping.locate(local)
                 if g.read_host:
                     staged.append(host)
+                elif host_live:  # the host pool is in attention's view: read in place
+                    dev = torch.where(host >= 0, host + st.host_base, dev)
             if sh is not None or not st.identity:
                 g.selected.append(logical)
             if sh is not None:
