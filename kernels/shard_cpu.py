@@ -9,8 +9,8 @@ Output [n, k] int32.
 
 `shard_read_plan`: what `engine.dsa.tp_shard.ShardedRows._remote_read` needs from a layer
 group's selection. Inputs: the selected logical addresses ``lg`` (int64, -1 = none), the
-remote-row buffer's directory ``table`` (int64 [num_logical + 1]: buffer slot or -1, the last
-entry a -1 sentinel), the rows the local placement gave ``dev`` (int64, same length as
+remote-row buffer's directory ``table`` (int32 as the buffer keeps it, [num_logical + 1]:
+buffer slot or -1, the last entry a -1 sentinel), the rows the local placement gave ``dev`` (int64, same length as
 ``lg``), this rank, the world size P and ``base`` (the buffer's first device row). Outputs:
 - ``dev_out``: ``dev`` with every remote address held in the buffer read from its buffer row
   (``slot + base``); owned and missed entries keep ``dev``.
@@ -133,5 +133,6 @@ def merge_topk(scores, positions, k):  # pragma: no cover (compiled)
 def warm_up() -> None:
     """Compile (or load from numba's cache) before the first forward needs them."""
     z = np.zeros(1, dtype=np.int64)
-    shard_read_plan(z, np.full(2, -1, dtype=np.int64), z, 0, 2, 0)
+    # The types the store passes: int64 addresses and rows, the buffer's int32 directory.
+    shard_read_plan(z, np.full(2, -1, dtype=np.int32), z, 0, 2, 0)
     merge_topk(np.zeros((2, 1, 1), dtype=np.float32), np.zeros((2, 1, 1), dtype=np.int32), 1)

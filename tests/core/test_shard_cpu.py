@@ -48,7 +48,8 @@ def cases(draw):
     n = draw(st.integers(0, 80))
     # Addresses: padding, inside the directory, and past its end (read as not held).
     lg = rng.integers(-1, N + 8, size=n).astype(np.int64)
-    table = np.full(N + 1, -1, dtype=np.int64)
+    # int32 as `RemoteRowBuffer` keeps it (what the store passes), or int64.
+    table = np.full(N + 1, -1, dtype=draw(st.sampled_from([np.int32, np.int64])))
     k = draw(st.integers(0, N))
     table[rng.choice(N, size=k, replace=False)] = rng.integers(0, 64, size=k)
     dev = rng.integers(-1, 1000, size=n).astype(np.int64)
