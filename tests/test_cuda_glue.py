@@ -149,7 +149,7 @@ class World:
     one layer group of two layers; the device pool holds 2 blocks per layer, the rest of the
     live rows sit in the host pool."""
 
-    def __init__(self, fp8: bool, staging: int = 6 * B):
+    def __init__(self, fp8: bool, staging: int = 6 * B, promote_after: int = 1):
         self.fp8 = fp8
         self.row_bytes = FP8_ROW if fp8 else 2 * D
         self.layers = ["l0", "l1"]
@@ -165,7 +165,8 @@ class World:
         self.rows = CudaRows([self.layers], row_bytes=self.row_bytes, head_size=D,
                              kv_dtype=torch.uint8 if fp8 else torch.bfloat16, block_size=B,
                              device_slots=2 * B, host_slots=6 * B, staging_rows=staging,
-                             num_logical=self.num_blocks * B, max_tokens=64, device="cpu")
+                             num_logical=self.num_blocks * B, max_tokens=64, device="cpu",
+                             promote_after=promote_after)
         # Written in order: the device pool keeps the last two blocks' rows, the others were
         # demoted to the host pool by assign.
         for b in (3, 5, 1, 6, 2):
@@ -330,6 +331,27 @@ def test_settle_promotes_the_staged_rows_and_parity_holds(kernels, fp8):
         got = _ula_out(w, layer, q, topk, md)
         assert torch.equal(got, _stock_out(w, layer, q, topk, md))
     assert int(w.rows.logs["l0"].counts[0]) < staged_before
+
+
+def test_rows_read_once_stay_staged_and_a_second_read_promotes(kernels):
+    """``promote_after`` 2 (the product default): the first settle of the staged misses
+    promotes nothing (they stay on the host and are staged again, output still stock's); the
+    same selection read again is promoted by the next settle."""
+    w = World(False, promote_after=2)
+    q, topk, md = w.batch(decode_only=True, seed=3)
+    staged, moved = [], dict(w.rows.counters)  # (seeding the pools demoted rows)
+    for _ in range(2):
+        for layer in w.layers:
+            assert torch.equal(_ula_out(w, layer, q, topk, md), _stock_out(w, layer, q, topk, md))
+        staged.append(int(w.rows.logs["l0"].counts[0]))
+        w.rows.begin_step()
+        if len(staged) == 1:
+            assert all(w.rows.counters[k] == moved[k] for k in ("promotions", "demotions"))
+    assert staged[0] == staged[1] > 0  # nothing moved in between: the same rows staged again
+    assert w.rows.counters["promotions"] > 0
+    for layer in w.layers:
+        assert torch.equal(_ula_out(w, layer, q, topk, md), _stock_out(w, layer, q, topk, md))
+    assert int(w.rows.logs["l0"].counts[0]) < staged[1]
 
 
 def test_without_resolve_the_output_differs(kernels):

@@ -237,6 +237,8 @@ def test_settings_are_coerced_or_named():
     assert ula_config.UlaSettings.from_dict(
         {"remote_buffer_min_hit_rate": "0.25"}).remote_buffer_min_hit_rate == 0.25
     assert ula_config.UlaSettings().remote_buffer_min_hit_rate == 0.1
+    assert ula_config.UlaSettings().promote_after == 2
+    assert ula_config.UlaSettings.from_dict({"promote_after": "1"}).promote_after == 1
     for bad, match in (({"host_pool_gib": "lots"}, "ula_host_pool_gib .*number of GiB"),
                        ({"host_pool_gib": True}, "number of GiB"),
                        ({"host_pool_gib": "nan"}, ">= 0"),
@@ -245,6 +247,7 @@ def test_settings_are_coerced_or_named():
                        ({"tp_mode": "both"}, "ula_tp_mode .*one of shard, replicate"),
                        ({"remote_buffer_rows": 1.5}, "whole number"),
                        ({"remote_buffer_rows": -1}, ">= 0"),
+                       ({"promote_after": 0}, "ula_promote_after .*>= 1"),
                        ({"remote_buffer_min_hit_rate": 1.5}, "from 0 to 1"),
                        ({"remote_buffer_min_hit_rate": "often"}, "min_hit_rate .*from 0 to 1"),
                        ({"remote_buffer_min_hit_rate": False}, "from 0 to 1"),

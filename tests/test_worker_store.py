@@ -22,7 +22,9 @@ BS = 16
 
 
 def make_store(device_slots=64, host_slots=512, layers=("l.0", "l.1"), leaders=("l.0", "l.1"),
-               lru="pblru", host_in_view=None):
+               lru="pblru", host_in_view=None, promote_after=1):
+    """A store of two float32 layers; ``promote_after`` 1 (promote every host row read) unless
+    a test is about the promotion admission (the product default is 2)."""
     layout = UlaLayout(block_size=BS, device_slots=device_slots, host_slots=host_slots,
                        num_logical=device_slots + host_slots,
                        num_blocks=(device_slots + host_slots) // BS + 1,
@@ -30,7 +32,8 @@ def make_store(device_slots=64, host_slots=512, layers=("l.0", "l.1"), leaders=(
                        mla_row_bytes={n: HEAD * 4 for n in layers}, mla_head_size=HEAD,
                        mla_dtype="float32", indexer_bytes_per_token=0)
     mods = {n: SimpleNamespace(kv_cache=None, impl=SimpleNamespace()) for n in layers}
-    return UlaWorkerStore(layout, UlaSettings(lru=lru), mods, torch.device("cpu"),
+    settings = UlaSettings(lru=lru, promote_after=promote_after)
+    return UlaWorkerStore(layout, settings, mods, torch.device("cpu"),
                           host_in_view=host_in_view), mods
 
 
@@ -120,11 +123,15 @@ def _host_reads(store, mods, picks) -> int:
     return n
 
 
-@pytest.mark.parametrize("lru,host_in_view", [(x, True) for x in LRU_CHOICES] + [
-    ("pblru", False)])
-def test_forward_only_resolves_and_stages_and_the_next_step_settles(lru, host_in_view):
+@pytest.mark.parametrize("lru,host_in_view,promote_after", [
+    (x, True, 1) for x in LRU_CHOICES] + [("pblru", False, 1), ("pblru", True, 2),
+                                           ("pblru", False, 2)])
+def test_forward_only_resolves_and_stages_and_the_next_step_settles(lru, host_in_view,
+                                                                    promote_after):
+    """The contract's two halves; with ``promote_after`` k the host rows read are promoted
+    by the settle after their k-th read in a row, and read where they are until then."""
     store, mods = make_store(device_slots=64, host_slots=512, lru=lru,
-                             host_in_view=host_in_view)
+                             host_in_view=host_in_view, promote_after=promote_after)
     assert (store.host_base is not None) == host_in_view
     live = []
     for s in range(10):  # 10 steps x 40 new tokens = 400 entries >> 64 device slots
@@ -154,8 +161,17 @@ def test_forward_only_resolves_and_stages_and_the_next_step_settles(lru, host_in
     if host_in_view:  # read in place: nothing staged, the view spans both pools
         assert all(not t.resolve(n, picks, None)[1] for n, t in
                    ((n, mods[n].impl.translator) for n in mods))
-    # The next step's pre-forward half settles the read: the picks are device-resident now.
+    # The next step's pre-forward half settles the read: with promote_after 1 the picks are
+    # device-resident now; with k > 1 they stay where they are until their k-th read in a row.
     store.begin_step([], {})
+    for _ in range(promote_after - 1):
+        assert store.counters.promotions == 0
+        assert store.counters.deferred == store.counters.lookups - store.counters.hits > 0
+        assert _host_reads(store, mods, picks) > 0
+        got = read_all(mods, picks, torch.arange(4))  # read again (exactly, where they are)
+        for li, name in enumerate(mods):
+            assert torch.equal(got[name][valid], _row(picks[valid], li))
+        store.begin_step([], {})
     assert store.counters.promotions > 0 and store.counters.lookups > store.counters.hits > 0
     for name, mod in mods.items():
         dev, staged = mod.impl.translator.resolve(name, picks, None)

@@ -62,18 +62,30 @@ def check_invariants(m: TieredMapping, store: RowStore, live: dict):
 # A failed selection's device hits stay marked used: the next selection may then fail too.
 @example(ops=[("append", 0, 1), ("append", 1, 3), ("advance",), ("append", 0, 3),
               ("append", 0, 3), ("select", [1], 0), ("select", [0], 0)],
-         lru="exact_list", dev_slots=7, host_extra=0, ring=1, small=False)
+         lru="exact_list", dev_slots=7, host_extra=0, ring=1, small=False, promote_after=1)
+# promote_after 2: a host entry read once stays; read in the next settle too, it is promoted;
+# freed and written again, it starts over.
+@example(ops=[("append", 0, 4), ("append", 1, 4), ("append", 2, 4), ("advance",),
+              ("select", [0], 1), ("select", [0], 1), ("free", 0), ("append", 0, 4),
+              ("select", [0], 1), ("settle_append", [0], 1, 1, 2)],
+         lru="pblru", dev_slots=4, host_extra=0, ring=1, small=False, promote_after=2)
+# ... and an entry read just before it was freed starts over when its address is reused.
+@example(ops=[("append", 0, 4), ("advance",), ("append", 1, 4), ("advance",), ("append", 2, 4),
+              ("advance",), ("select", [0], 1), ("free", 0), ("append", 0, 4), ("advance",),
+              ("append", 3, 4), ("advance",), ("append", 4, 4), ("advance",), ("select", [0], 1)],
+         lru="exact_ts", dev_slots=8, host_extra=0, ring=1, small=False, promote_after=2)
 @given(ops=st.lists(op, min_size=1, max_size=40), lru=st.sampled_from(POLICIES),
        dev_slots=st.integers(4, 40), host_extra=st.integers(0, 20), ring=st.integers(1, 4),
-       small=st.booleans())
-def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
+       small=st.booleans(), promote_after=st.sampled_from([1, 1, 2, 3]))
+def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small, promote_after):
     num_logical = 6 * 64
     host_slots = 6 * 30 - dev_slots + host_extra  # small extra: the host often fills up
     # small: the PB-LRUs on their small-pool scan path (tests/core runs their own by default).
     old = pblru_mod.SMALL_POOL_SLOTS, labels_mod.SMALL_POOL_SLOTS
     pblru_mod.SMALL_POOL_SLOTS = labels_mod.SMALL_POOL_SLOTS = 4096 if small else 0
     try:
-        m = TieredMapping(num_logical, dev_slots, host_slots, lru=factory(lru), ring_size=ring)
+        m = TieredMapping(num_logical, dev_slots, host_slots, lru=factory(lru), ring_size=ring,
+                          promote_after=promote_after)
     finally:
         pblru_mod.SMALL_POOL_SLOTS, labels_mod.SMALL_POOL_SLOTS = old
     if lru == "pblru_queue":
@@ -85,6 +97,30 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
     live: dict[int, int] = {}
     round_touched: set[int] = set()
     counter = [1000]
+    # Promotion admission, modelled: each entry's last settle read in and its run of reads.
+    reads: dict[int, tuple[int, int]] = {}
+    settles = [0]
+
+    def admitted(uniq, on_host):
+        """Which host entries a settle of ``uniq`` promotes, and the reads it records."""
+        runs = {}
+        for a in uniq:
+            last, run = reads.get(a, (-2, 0))
+            runs[a] = run + 1 if last == settles[0] - 1 else 1
+        return {a for a in on_host if runs[a] >= promote_after}, runs
+
+    def commit(runs):
+        reads.update((a, (settles[0], r)) for a, r in runs.items())
+        settles[0] += 1
+
+    def stats_moved(before, uniq, hits, promoted):
+        s = m.stats
+        got = (s.lookups - before[0], s.hits - before[1], s.promotions - before[2],
+               s.deferred - before[3])
+        assert got == (len(uniq), len(hits), len(promoted), len(uniq) - len(hits) - len(promoted))
+
+    def stats_now():
+        return m.stats.lookups, m.stats.hits, m.stats.promotions, m.stats.deferred
 
     def value():
         counter[0] += 1
@@ -107,8 +143,10 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
             new = torch.arange(r * 64 + lens[r], r * 64 + lens[r] + n)
             uniq = sorted(set(sel.tolist()) - {-1})
             t0, _ = tier_and_slot(m, uniq)
-            misses = {a for a, t in zip(uniq, t0.tolist()) if t == HOST}
+            on_host = {a for a, t in zip(uniq, t0.tolist()) if t == HOST}
+            misses, runs = admitted(uniq, on_host)
             snap = (m.loc.clone(), m.dev.num_free, m.host.num_free, m.stats.plans)
+            st0 = stats_now()
             out = m.settle_and_assign(sel, new)
             if out is None:  # not applicable: nothing changed, the engine goes one by one
                 assert torch.equal(m.loc, snap[0]) and (m.dev.num_free, m.host.num_free,
@@ -116,6 +154,8 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
                 assert len(misses) + n > m.dev.num_free, "refused with free room"
                 check_invariants(m, store, live)
                 continue
+            commit(runs)
+            stats_moved(st0, uniq, set(uniq) - on_host, misses)
             slots, plan = out
             assert slots.shape == new.shape
             plan.apply(store.copy_fn)
@@ -128,6 +168,9 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
             if misses:
                 t, _ = tier_and_slot(m, sorted(misses))
                 assert (t == DEVICE).all(), "a settled miss is not device-resident"
+            if on_host - misses:  # read too few times in a row: left on the host
+                t, _ = tier_and_slot(m, sorted(on_host - misses))
+                assert (t == HOST).all(), "a deferred entry moved"
             if n:
                 t, s_ = tier_and_slot(m, new)
                 assert (t == DEVICE).all() and torch.equal(s_, slots)
@@ -164,10 +207,13 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
             uniq = set(addrs.tolist()) - {-1}
             t0, _ = tier_and_slot(m, sorted(uniq))
             hits = {a for a, t in zip(sorted(uniq), t0.tolist()) if t == DEVICE}
+            promoted, runs = admitted(uniq, uniq - hits)
+            st0 = stats_now()
             try:
                 slots, plan = m.ensure_resident(addrs)
             except CapacityError:
-                assert len(uniq | round_touched) > dev_slots, "spurious CapacityError"
+                assert len(hits | promoted | round_touched) > dev_slots, "spurious CapacityError"
+                assert stats_now() == st0
                 # A failed call's hits stay marked used this round (documented): they are
                 # this round's working set from now on, like any touched entry.
                 round_touched |= hits
@@ -175,11 +221,16 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
                 continue
             assert not (set(plan.demote_src_device.tolist()) & before), "evicted a current-round slot"
             assert (slots[addrs < 0] == -1).all()
+            commit(runs)
+            stats_moved(st0, uniq, hits, promoted)
             plan.apply(store.copy_fn)
             ok = addrs >= 0
             t, s = tier_and_slot(m, addrs[ok])
-            assert (t == DEVICE).all() and torch.equal(s, slots[ok])
-            round_touched |= set(addrs[ok].tolist())
+            resident = torch.tensor([a in hits | promoted for a in addrs[ok].tolist()],
+                                    dtype=torch.bool)
+            assert torch.equal(t == DEVICE, resident), "promoted exactly the admitted misses"
+            assert torch.equal(torch.where(resident, s, -1), slots[ok])
+            round_touched |= hits | promoted
         elif o[0] == "advance":
             m.advance_round()
             round_touched = set()
@@ -190,6 +241,7 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small):
             for a in range(r * 64, r * 64 + lens[r]):
                 live.pop(a, None)
                 round_touched.discard(a)
+                reads.pop(a, None)  # a freed entry's reads are forgotten
             lens[r] = 0
         check_invariants(m, store, live)
 

@@ -11,6 +11,13 @@ mapping). A non-empty plan must be applied before the next ``assign``, ``adopt``
 ``ensure_resident`` or ``free`` (they refuse otherwise); until then ``visible`` shows the
 plan's entries where their rows still are. With no plan outstanding, ``visible`` equals ``loc``.
 
+Promotion admission (``promote_after`` = k): a settle (``ensure_resident``,
+``settle_and_assign``) promotes a host entry only when it was read in k settles in a row, this
+one included; the others stay on the host, where readers find them through ``locate`` (read in
+place or staged), counted in ``stats.deferred``. k = 1 promotes every host entry read. A row
+read once (an indexer whose top-k moves) then costs no promotion and no later demotion; a row
+read again (a top-k that stays) is promoted one settle later. Freeing an entry forgets its reads.
+
 Failures: ``CapacityError`` (the round's working set exceeds the device pool, or the host
 pool is full) and ``KeyError`` (unknown addresses) leave tables, pools and stats unchanged.
 A ``copy_fn`` that raises may have overwritten some of the plan's rows without writing their
@@ -54,6 +61,7 @@ class MappingStats:
     promotions: int = 0     # host -> device rows
     demotions: int = 0      # device -> host rows
     staged: int = 0         # promotions routed through staging (host full)
+    deferred: int = 0       # host entries read but not promoted (``promote_after``)
     assigned: int = 0
     freed: int = 0
     lost: int = 0           # entries dropped because a copy_fn raised
@@ -133,10 +141,12 @@ class _TimedPolicy(EvictionPolicy):
 class TieredMapping:
     def __init__(self, num_logical: int, device_slots: int, host_slots: int, *,
                  device: torch.device | str = "cpu", lru: str | PolicyFactory = "pblru",
-                 ring_size: int = 8,
+                 ring_size: int = 8, promote_after: int = 1,
                  profile: bool = False):
         if max(device_slots, host_slots) >= 1 << SLOT_BITS:
             raise ValueError("pools are limited to 2**32 slots")
+        if isinstance(promote_after, bool) or not isinstance(promote_after, int) or promote_after < 1:
+            raise ValueError(f"promote_after must be a whole number >= 1, got {promote_after!r}")
         self.device = torch.device(device)
         self.num_logical = num_logical
         # At least one row: a TP rank may own no address, and lookups gather a clamped index.
@@ -153,6 +163,13 @@ class TieredMapping:
         self.policy = _TimedPolicy(policy, self.stats) if profile else policy
         self._outstanding: MovePlan | None = None  # the non-empty plan not applied yet
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
+        # Promotion admission: the number of the settle each entry was last read in, and how
+        # many settles in a row it has been read in (only kept when promote_after > 1).
+        self.promote_after = promote_after
+        self._settles = 0
+        if promote_after > 1:
+            self._last_read = torch.full((n,), -2, dtype=torch.int64, device=self.device)
+            self._streak = torch.zeros((n,), dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -175,8 +192,11 @@ class TieredMapping:
         return is_local, idx, self._unique(idx.masked_select(is_local))
 
     def _slots_out(self, is_local, idx, shape) -> torch.Tensor:
+        """Device slots of ``idx`` (-1: padding, not local, or on the host)."""
         safe = torch.where(is_local, idx, torch.zeros_like(idx))
-        out = torch.where(is_local, self.loc.index_select(0, safe) & SLOT_MASK, torch.full_like(idx, -1))
+        lv = self.loc.index_select(0, safe)
+        out = torch.where(is_local & (lv >> SLOT_BITS == DEVICE), lv & SLOT_MASK,
+                          torch.full_like(idx, -1))
         return out.reshape(shape)
 
     def _release(self, u: torch.Tensor, lv: torch.Tensor | None = None) -> int:
@@ -193,7 +213,30 @@ class TieredMapping:
         self.host.release(host_slots)
         K.reference.fill_at(self.loc, u, -1)
         K.reference.fill_at(self.visible, u, -1)
+        if self.promote_after > 1:  # a reused address starts with no reads
+            K.reference.fill_at(self._last_read, u, -2)
         return dev_slots.numel() + host_slots.numel()
+
+    def _admitted(self, u: torch.Tensor, on_host: torch.Tensor):
+        """Which of this settle's host entries (``u[on_host]``) to promote: with
+        ``promote_after`` k > 1, those read in k settles in a row, this one included. Returns
+        ``(mask over u, commit)``; ``commit()`` records this settle's reads, called once the
+        settle can no longer fail (a failed call changes nothing)."""
+        if self.promote_after == 1:
+            return on_host, self._count_settle
+        last = self._last_read.index_select(0, u)
+        streak = torch.where(last == self._settles - 1, self._streak.index_select(0, u) + 1,
+                             torch.ones_like(last, dtype=torch.int32))
+
+        def commit():
+            self._streak.index_copy_(0, u, streak)
+            self._last_read.index_fill_(0, u, self._settles)
+            self._count_settle()
+
+        return on_host & (streak >= self.promote_after), commit
+
+    def _count_settle(self) -> None:
+        self._settles += 1
 
     def _new_plan(self, dsrc, ddst, psrc, pdst, staged, entries, new_vals) -> MovePlan:
         plan = MovePlan(dsrc, ddst, psrc, pdst, staged, _entries=entries, _new_vals=new_vals,
@@ -323,9 +366,10 @@ class TieredMapping:
         ``KeyError`` (the engine's settle: entries freed since they were read). With
         ``want_slots=False`` the slots are not computed (``None`` is returned in their place).
 
-        Hits are touched (current round); misses are promoted, evicting victims that were not
-        used in the current round (so never anything of this call). Returns
-        ``(device_slots, plan)`` with ``device_slots`` aligned with ``addrs``.
+        Hits are touched (current round); misses are promoted (with ``promote_after`` k > 1,
+        those read in k settles in a row; the others stay on the host, slot -1), evicting
+        victims that were not used in the current round (so never anything of this call).
+        Returns ``(device_slots, plan)`` with ``device_slots`` aligned with ``addrs``.
         Raises ``CapacityError`` when the round's working set exceeds the device pool and
         ``KeyError`` for addresses that were never assigned. Either leaves tables, pools and
         stats unchanged; after a ``CapacityError`` the call's hits stay marked as used in this
@@ -345,17 +389,23 @@ class TieredMapping:
         slots_out = (lambda: self._slots_out(is_local, idx, shape)) if want_slots else (
             lambda: None)
         hit = self.policy.hit_touch(lv)
-        miss = K.compact(u, ~hit)
+        admit, commit = self._admitted(u, ~hit)
+        miss = K.compact(u, admit)
         m = miss.numel()
+        nhit = int(hit.sum()) if self.promote_after > 1 else u.numel() - m
         if m == 0:
+            commit()
             self.stats.lookups += u.numel()
-            self.stats.hits += u.numel()
+            self.stats.hits += nhit
+            self.stats.deferred += u.numel() - nhit
             return slots_out(), self._empty_plan()
         psrc = self.loc.index_select(0, miss) & SLOT_MASK
         _, plan = self._place(miss, psrc)  # (a CapacityError leaves the pools untouched)
+        commit()
         self.stats.lookups += u.numel()
-        self.stats.hits += u.numel() - m
+        self.stats.hits += nhit
         self.stats.promotions += m
+        self.stats.deferred += u.numel() - nhit - m
         return slots_out(), plan
 
     def _place(self, entries: torch.Tensor, psrc: torch.Tensor):
@@ -408,7 +458,9 @@ class TieredMapping:
         keep = lv >= 0  # entries freed since they were read are skipped (drop_unmapped)
         u, lv = K.compact(u, keep), K.compact(lv, keep)
         tier = lv >> SLOT_BITS
-        miss = K.compact(u, tier == HOST)
+        on_host = tier == HOST
+        admit, commit = self._admitted(u, on_host)
+        miss = K.compact(u, admit)
         m, nw = miss.numel(), w.numel()
         k = m + nw - self.dev.num_free
         # Room, checked before any change: in the new round every occupied slot may be a
@@ -418,15 +470,18 @@ class TieredMapping:
             return None
         self.policy.hit_touch(lv)  # the ending round's hits (device entries)
         self.policy.advance_round()
-        psrc = K.compact(lv, tier == HOST) & SLOT_MASK
+        psrc = K.compact(lv, admit) & SLOT_MASK
         try:
             _, plan = self._place(torch.cat([miss, w]) if m else w, psrc)
         except CapacityError:
             raise RuntimeError("settle_and_assign: victims short after the room check "
                                "(policy and pool disagree)") from None
+        commit()
+        hosted = int(on_host.sum()) if self.promote_after > 1 else m
         self.stats.lookups += u.numel()
-        self.stats.hits += u.numel() - m
+        self.stats.hits += u.numel() - hosted
         self.stats.promotions += m
+        self.stats.deferred += hosted - m
         self.stats.assigned += nw
         return self._slots_out(is_new, nidx, shape), plan
 

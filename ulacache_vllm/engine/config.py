@@ -85,12 +85,14 @@ def _lru_choices() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
-def _setting(default: Any, kind: str, help: str, metavar: str = "", choices=None):
+def _setting(default: Any, kind: str, help: str, metavar: str = "", choices=None,
+             minimum: int = 0):
     """A UlaSettings field. ``kind`` (gib | fraction | int | bool | choice | path) decides
     coercion and the CLI flag's type; ``help`` is the flag's help and the README's text;
-    ``choices`` is a callable (the policies live in the core, imported only when asked)."""
+    ``choices`` is a callable (the policies live in the core, imported only when asked);
+    ``minimum``: the smallest value an int setting takes."""
     return field(default=default, metadata=dict(kind=kind, help=help, metavar=metavar,
-                                                choices=choices))
+                                                choices=choices, minimum=minimum))
 
 
 @dataclass
@@ -110,6 +112,12 @@ class UlaSettings:
         "(JSONL) for `benchmarks/pblru_vs_lru.py --trace FILE`. The file is overwritten at "
         "startup; data-parallel rank R > 0 writes `FILE.dpR.EXT`. Its directory must exist "
         "(checked before the model loads).", metavar="FILE")
+    promote_after: int = _setting(
+        2, "int", "promote a host row to the device pool only after it was read in this many "
+        "steps in a row (default 2; 1 promotes every host row read). Rows read once, as an "
+        "indexer whose top-k moves reads most of its rows, then cost no promotion and no "
+        "later demotion; they are read where they are (in place on the CPU build, staged on "
+        "CUDA). Rows read again are promoted one step later.", metavar="K", minimum=1)
     fast_path: bool = _setting(
         True, "bool", "identity placement (no translation, no copies) until the device pool "
         "first overflows (default true).")
@@ -215,8 +223,9 @@ def _coerce(name: str, value: Any) -> Any:
             out = int(value)
         except (TypeError, ValueError):
             raise KVBackendError(f"{flag} must be a whole number, got {value!r}") from None
-        if out < 0:
-            raise KVBackendError(f"{flag} must be >= 0, got {value!r}")
+        least = UlaSettings.__dataclass_fields__[name].metadata["minimum"]
+        if out < least:
+            raise KVBackendError(f"{flag} must be >= {least}, got {value!r}")
         return out
     if kind == "bool":
         if isinstance(value, bool):

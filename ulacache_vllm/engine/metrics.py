@@ -15,7 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-COUNTERS = ("lookups", "hits", "promotions", "demotions", "bytes_moved", "fallback_chunks",
+COUNTERS = ("lookups", "hits", "promotions", "deferred", "demotions", "bytes_moved", "fallback_chunks",
             "fast_path_exits", "replica_exits", "remote_lookups", "remote_hits", "remote_rows_fetched",
             "remote_bytes_fetched", "remote_fill_skips", "failed_copies", "prefix_hit_entries",
             "prefix_hit_entries_host")
@@ -90,6 +90,7 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "lookups": "Sparse-MLA KV entries looked up by the indexer's top-k (deduplicated).",
             "hits": "Looked-up entries already resident in the device pool.",
             "promotions": "Entries moved host -> device.",
+            "deferred": "Looked-up host entries left on the host (read there) because they were not read in --ula-promote-after steps in a row.",
             "demotions": "Entries moved device -> host (PB-LRU victims).",
             "bytes_moved": "Bytes copied between the device and host pools.",
             "fallback_chunks": "Settles that promoted only part of a step's working set (it exceeded the device pool; the rest stays on the host and is staged when read).",
@@ -102,7 +103,7 @@ class UlaPromMetrics(KVConnectorPromMetrics):
             "remote_fill_skips": "TP shard mode: steps (per layer group) that left the remote-row buffer as it was because reads seldom hit it (--ula-remote-buffer-min-hit-rate).",
             "failed_copies": "Copies in the worker's move path that failed (tier row copies; arena page-copy steps); the requests whose KV they lost ended with an error.",
             "prefix_hit_entries": "Prefix-cache hits: entries of cached blocks a new request took over (per layer group).",
-            "prefix_hit_entries_host": "Prefix-cache hits whose entries sat in the host tier when the request took them over (read from there; promoted once attention selects them).",
+            "prefix_hit_entries_host": "Prefix-cache hits whose entries sat in the host tier when the request took them over (read from there; promoted once attention selects them in --ula-promote-after steps in a row).",
             "arena_compactions": "Arena (hybrid models): compactions run (holes filled with a band's farthest pages).",
             "arena_relayouts": "Arena (hybrid models): relayouts run (every movable page slid to its band's base).",
             "arena_pages_moved": "Arena (hybrid models): pages moved by compactions and relayouts.",

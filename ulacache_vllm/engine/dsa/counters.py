@@ -29,6 +29,7 @@ class StoreCounters:
     lookups: int = 0
     hits: int = 0
     promotions: int = 0
+    deferred: int = 0  # host entries read but not promoted (not read in enough steps in a row)
     demotions: int = 0
     bytes_moved: int = 0
     fallback_chunks: int = 0  # settles that promoted only part of a step's working set

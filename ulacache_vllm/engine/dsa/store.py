@@ -13,8 +13,10 @@ The worker contract, stated once (`tests/test_worker_store.py` checks each claus
   1. *frees*: the logical blocks the scheduler released leave the tables;
   2. *settle*: the addresses each group's attention selected in the previous step are made
      device-resident (`ensure_resident`: hits are touched in the round they were read in,
-     host rows are promoted, victims demoted); if that working set exceeds the device pool,
-     a prefix is promoted and the rest stays on the host, staged again when read;
+     host rows read in ``settings.promote_after`` steps in a row are promoted, victims
+     demoted; the other host rows stay where they are, read there again if selected again);
+     if that working set exceeds the device pool, a prefix is promoted and the rest stays on
+     the host, staged again when read;
   3. *round*: the LRU rings advance;
   4. *writes*: this step's new rows get device slots (`assign`, demoting victims) and the
      translated write rows are fixed for the forward.
@@ -218,7 +220,8 @@ class UlaWorkerStore(TierMoves, ShardedRows):
     def _add_group(self, names: list[str]) -> None:
         lay = self.layout
         m = TieredMapping(self.num_local, lay.device_slots, lay.host_slots,
-                          device=self.device, lru=self.settings.lru)
+                          device=self.device, lru=self.settings.lru,
+                          promote_after=self.settings.promote_after)
         g = _Group(len(self.groups), list(names), m, sum(lay.mla_row_bytes[n] for n in names))
         if self.shard:
             g.remote = RemoteRowBuffer(lay.num_blocks * lay.block_size, lay.remote_slots,
@@ -327,14 +330,15 @@ class UlaWorkerStore(TierMoves, ShardedRows):
 
     def _settle(self, g: _Group, sel: torch.Tensor) -> None:
         """Make the previous step's selections of ``g`` (local addresses, -1 = none)
-        device-resident (hits touched in the round they were read in, host rows promoted)."""
+        device-resident (hits touched in the round they were read in, host rows promoted as
+        ``promote_after`` admits them)."""
         m = g.mapping
         # Padding, duplicates and entries freed since they were read are left to the mapping
         # (it dedups in O(n) and reads each entry's table value once: `drop_unmapped`).
         sel = sel.reshape(-1)
         n = sel.numel()
         while n:
-            before_l, before_h = m.stats.lookups, m.stats.hits
+            before = (m.stats.lookups, m.stats.hits, m.stats.deferred)
             try:
                 _, plan = m.ensure_resident(sel[:n], drop_unmapped=True, want_slots=False)
             except CapacityError:
@@ -343,10 +347,16 @@ class UlaWorkerStore(TierMoves, ShardedRows):
                 n //= 2
                 self.counters.fallback_chunks += 1
                 continue
-            self.counters.lookups += m.stats.lookups - before_l
-            self.counters.hits += m.stats.hits - before_h
+            self._count_reads(m, before)
             self._apply(g, plan)
             return
+
+    def _count_reads(self, m: TieredMapping, before: tuple[int, int, int]) -> None:
+        """Adds a settle's lookups, hits and deferred promotions (``m.stats`` minus
+        ``before``) to the store's counters."""
+        self.counters.lookups += m.stats.lookups - before[0]
+        self.counters.hits += m.stats.hits - before[1]
+        self.counters.deferred += m.stats.deferred - before[2]
 
     def _settle_and_write(self, g: _Group, sel: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Settle, round and writes of ``g`` (mapped placement: not identity, not replicas) as
@@ -361,12 +371,11 @@ class UlaWorkerStore(TierMoves, ShardedRows):
                 g.remote.invalidate(sm[sm >= 0])
             if self.shard is not None:
                 sm = self.shard.local(sm)
-            before_l, before_h = m.stats.lookups, m.stats.hits
+            before = (m.stats.lookups, m.stats.hits, m.stats.deferred)
             out = m.settle_and_assign(local, sm)
             if out is not None:
                 self.trace.record(self.step, g.gid, "append", slot_mapping)
-                self.counters.lookups += m.stats.lookups - before_l
-                self.counters.hits += m.stats.hits - before_h
+                self._count_reads(m, before)
                 self.counters.merged_plans += 1
                 slots, plan = out
                 if not self._apply(g, plan, fresh=sm):

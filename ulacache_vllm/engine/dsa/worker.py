@@ -87,6 +87,8 @@ class DsaWorker(LineWorker):
         t = st.totals()
         out["totals"] = {
             "promotions": sum(g.mapping.stats.promotions for g in st.groups),
+            # Host entries read but left on the host (--ula-promote-after).
+            "deferred": sum(g.mapping.stats.deferred for g in st.groups),
             "demotions": sum(g.mapping.stats.demotions for g in st.groups),
             "lookups": sum(g.mapping.stats.lookups for g in st.groups),
             "hits": sum(g.mapping.stats.hits for g in st.groups),

@@ -31,8 +31,9 @@ per-group accumulator (``carry=True``, device ops, at most ``ACC_ROWS`` addresse
 ones are not promoted, counted in ``unsettled``), which `begin_step` settles with the log.
 
 Outside the forward (`begin_step`, from the connector's pre-forward hook, before any graph
-replay): frees; settle (each group's first layer's logged misses promoted through
-`TieredMapping.ensure_resident` + `apply`, copies as GPU ops); round; writes (``assign`` of the
+replay): frees; settle (each group's first layer's logged misses promoted, as the mapping's
+``promote_after`` admits them, through `TieredMapping.ensure_resident` + `apply`, copies as
+GPU ops); round; writes (``assign`` of the
 step's new logical slots; where a group has both, settle, round and assign are one plan,
 `TieredMapping.settle_and_assign`, one victim selection and one set of copies, fewer launches),
 then `write_translate` into the ulacache-owned static slot-mapping
@@ -96,7 +97,8 @@ class CudaRows:
     def __init__(self, groups: list[list[str]], *, row_bytes: int, head_size: int,
                  kv_dtype: torch.dtype, block_size: int, device_slots: int, host_slots: int,
                  staging_rows: int, num_logical: int, max_tokens: int, device,
-                 lru: str = "pblru", pin: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 lru: str = "pblru", pin: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 promote_after: int = 1):
         dev = torch.device(device)
         for what, n in (("staging rows", staging_rows), ("device slots", device_slots)):
             if n <= 0 or n % block_size:
@@ -117,7 +119,8 @@ class CudaRows:
             h = torch.zeros(host_slots, row_bytes, dtype=torch.uint8)  # exact size, then pinned
             self.host[n] = pin(h) if pin is not None else h
             self.host_dev[n] = K.host_view(self.host[n], dev)
-        self.mappings = [TieredMapping(num_logical, device_slots, host_slots, device=dev, lru=lru)
+        self.mappings = [TieredMapping(num_logical, device_slots, host_slots, device=dev, lru=lru,
+                                       promote_after=promote_after)
                          for _ in groups]
         self.group_of = {n: gi for gi, g in enumerate(groups) for n in g}
         self.groups = groups

@@ -85,7 +85,8 @@ class CudaDsaWorker(LineWorker):
                         staging_rows=staging_rows(decode_tokens(vllm_config), topk,
                                                   layout.host_slots, layout.block_size),
                         num_logical=layout.num_blocks * layout.block_size,
-                        max_tokens=max_tokens, device=device, lru=settings.lru)
+                        max_tokens=max_tokens, device=device, lru=settings.lru,
+                        promote_after=settings.promote_after)
         for name in layout.mla_layers:
             layer = ctx[name]
             if not isinstance(layer.impl, UlaFlashMLASparseImpl):
