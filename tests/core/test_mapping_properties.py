@@ -65,10 +65,14 @@ def check_invariants(m: TieredMapping, store: RowStore, live: dict):
          lru="exact_list", dev_slots=7, host_extra=0, ring=1, small=False, promote_after=1)
 # promote_after 2: a host entry read once stays; read in the next settle too, it is promoted;
 # freed and written again, it starts over.
-@example(ops=[("append", 0, 4), ("append", 1, 4), ("append", 2, 4), ("advance",),
-              ("select", [0], 1), ("select", [0], 1), ("free", 0), ("append", 0, 4),
-              ("select", [0], 1), ("settle_append", [0], 1, 1, 2)],
-         lru="pblru", dev_slots=4, host_extra=0, ring=1, small=False, promote_after=2)
+@example(ops=[("append", 0, 4), ("advance",), ("append", 1, 4), ("advance",), ("append", 2, 4),
+              ("advance",), ("select", [0], 1), ("select", [0], 1)],
+         lru="pblru", dev_slots=8, host_extra=0, ring=1, small=False, promote_after=2)
+# promote_after 3: the third read from the host in a row promotes (settle_append reads too).
+@example(ops=[("append", 0, 4), ("advance",), ("append", 1, 4), ("advance",), ("append", 2, 4),
+              ("advance",), ("select", [0], 1), ("settle_append", [0], 1, 3, 0),
+              ("select", [0], 1)],
+         lru="exact_ts", dev_slots=8, host_extra=0, ring=1, small=False, promote_after=3)
 # ... and an entry read just before it was freed starts over when its address is reused.
 @example(ops=[("append", 0, 4), ("advance",), ("append", 1, 4), ("advance",), ("append", 2, 4),
               ("advance",), ("select", [0], 1), ("free", 0), ("append", 0, 4), ("advance",),
@@ -97,14 +101,15 @@ def test_random_sequences(ops, lru, dev_slots, host_extra, ring, small, promote_
     live: dict[int, int] = {}
     round_touched: set[int] = set()
     counter = [1000]
-    # Promotion admission, modelled: each entry's last settle read in and its run of reads.
+    # Promotion admission, modelled: each entry's last settle it was read from the host in,
+    # and its run of such settles.
     reads: dict[int, tuple[int, int]] = {}
     settles = [0]
 
     def admitted(uniq, on_host):
         """Which host entries a settle of ``uniq`` promotes, and the reads it records."""
         runs = {}
-        for a in uniq:
+        for a in on_host:
             last, run = reads.get(a, (-2, 0))
             runs[a] = run + 1 if last == settles[0] - 1 else 1
         return {a for a in on_host if runs[a] >= promote_after}, runs

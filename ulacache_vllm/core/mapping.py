@@ -12,8 +12,8 @@ mapping). A non-empty plan must be applied before the next ``assign``, ``adopt``
 plan's entries where their rows still are. With no plan outstanding, ``visible`` equals ``loc``.
 
 Promotion admission (``promote_after`` = k): a settle (``ensure_resident``,
-``settle_and_assign``) promotes a host entry only when it was read in k settles in a row, this
-one included; the others stay on the host, where readers find them through ``locate`` (read in
+``settle_and_assign``) promotes a host entry only when it was read from the host in k settles
+in a row, this one included; the others stay on the host, where readers find them through ``locate`` (read in
 place or staged), counted in ``stats.deferred``. k = 1 promotes every host entry read. A row
 read once (an indexer whose top-k moves) then costs no promotion and no later demotion; a row
 read again (a top-k that stays) is promoted one settle later. Freeing an entry forgets its reads.
@@ -163,12 +163,13 @@ class TieredMapping:
         self.policy = _TimedPolicy(policy, self.stats) if profile else policy
         self._outstanding: MovePlan | None = None  # the non-empty plan not applied yet
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        # Promotion admission: the number of the settle each entry was last read in, and how
-        # many settles in a row it has been read in (only kept when promote_after > 1).
+        # Promotion admission: the number of the settle each entry was last read from the host
+        # in (promote_after > 1), and in how many settles in a row (promote_after > 2).
         self.promote_after = promote_after
         self._settles = 0
         if promote_after > 1:
             self._last_read = torch.full((n,), -2, dtype=torch.int64, device=self.device)
+        if promote_after > 2:
             self._streak = torch.zeros((n,), dtype=torch.int32, device=self.device)
 
     # ------------------------------------------------------------------ helpers
@@ -217,23 +218,29 @@ class TieredMapping:
             K.reference.fill_at(self._last_read, u, -2)
         return dev_slots.numel() + host_slots.numel()
 
-    def _admitted(self, u: torch.Tensor, on_host: torch.Tensor):
-        """Which of this settle's host entries (``u[on_host]``) to promote: with
-        ``promote_after`` k > 1, those read in k settles in a row, this one included. Returns
-        ``(mask over u, commit)``; ``commit()`` records this settle's reads, called once the
-        settle can no longer fail (a failed call changes nothing)."""
-        if self.promote_after == 1:
-            return on_host, self._count_settle
-        last = self._last_read.index_select(0, u)
-        streak = torch.where(last == self._settles - 1, self._streak.index_select(0, u) + 1,
-                             torch.ones_like(last, dtype=torch.int32))
+    def _admitted(self, miss: torch.Tensor, miss_lv: torch.Tensor):
+        """Which of this settle's host entries ``miss`` (unique; ``miss_lv`` their table
+        values) to promote: with ``promote_after`` k > 1, those read from the host in k
+        settles in a row, this one included. Returns ``(entries, their table values,
+        commit)``; ``commit()`` records this settle's reads, called once the settle can no
+        longer fail (a failed call changes nothing)."""
+        k = self.promote_after
+        if k == 1:
+            return miss, miss_lv, self._count_settle
+        run = self._last_read.index_select(0, miss) == self._settles - 1
+        streak = None
+        if k > 2:
+            streak = torch.where(run, self._streak.index_select(0, miss) + 1,
+                                 torch.ones_like(miss, dtype=torch.int32))
+            run = streak >= k
 
         def commit():
-            self._streak.index_copy_(0, u, streak)
-            self._last_read.index_fill_(0, u, self._settles)
+            if streak is not None:
+                self._streak.index_copy_(0, miss, streak)
+            self._last_read.index_fill_(0, miss, self._settles)
             self._count_settle()
 
-        return on_host & (streak >= self.promote_after), commit
+        return K.compact(miss, run), K.compact(miss_lv, run), commit
 
     def _count_settle(self) -> None:
         self._settles += 1
@@ -389,23 +396,22 @@ class TieredMapping:
         slots_out = (lambda: self._slots_out(is_local, idx, shape)) if want_slots else (
             lambda: None)
         hit = self.policy.hit_touch(lv)
-        admit, commit = self._admitted(u, ~hit)
-        miss = K.compact(u, admit)
+        miss, mlv = K.compact(u, ~hit), K.compact(lv, ~hit)
+        nhost = miss.numel()
+        miss, mlv, commit = self._admitted(miss, mlv)
         m = miss.numel()
-        nhit = int(hit.sum()) if self.promote_after > 1 else u.numel() - m
         if m == 0:
             commit()
             self.stats.lookups += u.numel()
-            self.stats.hits += nhit
-            self.stats.deferred += u.numel() - nhit
+            self.stats.hits += u.numel() - nhost
+            self.stats.deferred += nhost
             return slots_out(), self._empty_plan()
-        psrc = self.loc.index_select(0, miss) & SLOT_MASK
-        _, plan = self._place(miss, psrc)  # (a CapacityError leaves the pools untouched)
+        _, plan = self._place(miss, mlv & SLOT_MASK)  # (a CapacityError changes nothing)
         commit()
         self.stats.lookups += u.numel()
-        self.stats.hits += nhit
+        self.stats.hits += u.numel() - nhost
         self.stats.promotions += m
-        self.stats.deferred += u.numel() - nhit - m
+        self.stats.deferred += nhost - m
         return slots_out(), plan
 
     def _place(self, entries: torch.Tensor, psrc: torch.Tensor):
@@ -459,8 +465,9 @@ class TieredMapping:
         u, lv = K.compact(u, keep), K.compact(lv, keep)
         tier = lv >> SLOT_BITS
         on_host = tier == HOST
-        admit, commit = self._admitted(u, on_host)
-        miss = K.compact(u, admit)
+        miss, mlv = K.compact(u, on_host), K.compact(lv, on_host)
+        nhost = miss.numel()
+        miss, mlv, commit = self._admitted(miss, mlv)
         m, nw = miss.numel(), w.numel()
         k = m + nw - self.dev.num_free
         # Room, checked before any change: in the new round every occupied slot may be a
@@ -470,18 +477,17 @@ class TieredMapping:
             return None
         self.policy.hit_touch(lv)  # the ending round's hits (device entries)
         self.policy.advance_round()
-        psrc = K.compact(lv, admit) & SLOT_MASK
+        psrc = mlv & SLOT_MASK
         try:
             _, plan = self._place(torch.cat([miss, w]) if m else w, psrc)
         except CapacityError:
             raise RuntimeError("settle_and_assign: victims short after the room check "
                                "(policy and pool disagree)") from None
         commit()
-        hosted = int(on_host.sum()) if self.promote_after > 1 else m
         self.stats.lookups += u.numel()
-        self.stats.hits += u.numel() - hosted
+        self.stats.hits += u.numel() - nhost
         self.stats.promotions += m
-        self.stats.deferred += hosted - m
+        self.stats.deferred += nhost - m
         self.stats.assigned += nw
         return self._slots_out(is_new, nidx, shape), plan
 
