@@ -63,9 +63,13 @@ def skewed_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     """Rank 0 owns most of the live tokens (even addresses) and overflows its device pool
     when a step reads them; rank 1 does not. Every read must be exact on both ranks, the
     exchanges stay in lockstep (checked), and freeing everything empties every pool."""
+    from ulacache_vllm.engine.config import UlaSettings
+
     group = _init(rank, world, init_file)
+    # Every host row read is promoted (promote_after 1), so a step's read overflows rank 0's
+    # pool in its settle (chunked), which this test is about.
     store, mods = make_store(rank, world, group, device_slots=48, host_slots=512,
-                             remote_slots=64)
+                             remote_slots=64, settings=UlaSettings(promote_after=1))
     live = []
     for s in range(8):
         base = 32 + s * 64

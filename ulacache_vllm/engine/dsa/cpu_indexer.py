@@ -104,6 +104,19 @@ def read_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.
     return v * s
 
 
+def head_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x [n, H, L] -> [n, L]``, the sum over heads as a pairwise tree whose order depends on
+    H alone: elementwise adds, so each key's logit has the same bits however many keys are
+    scored beside it (TP shard mode scores a rank's share of the keys and must match the whole
+    scoring bit for bit). A bmm over heads does not: vLLM's CPU torch takes a naive kernel
+    below 400 multiply-adds and a BLAS one above, whose sums differ in the last bits."""
+    while x.shape[1] > 1:
+        half = x.shape[1] // 2
+        y = x[:, :half] + x[:, half:2 * half]
+        x = torch.cat([y, x[:, 2 * half:]], 1) if x.shape[1] % 2 else y
+    return x[:, 0]
+
+
 def select_topk(
     q: torch.Tensor,  # [n, H, D] float32 (fp8 values, scale folded into weights)
     weights: torch.Tensor,  # [n, H] float32
@@ -120,10 +133,13 @@ def select_topk(
     key_pos = torch.arange(L) if key_positions is None else key_positions
     vals = torch.full((n, topk), float("-inf"), dtype=torch.float32)
     out = torch.full((n, topk), -1, dtype=torch.int32)
+    # One key would make the score product a matrix-vector one (another BLAS kernel, other
+    # bits than the same key's column of a larger product): score a zero key beside it.
+    kk = torch.cat([keys, keys.new_zeros(1, keys.shape[1])]) if L == 1 else keys
     for s in range(0, n, SCORE_CHUNK):
         e = min(n, s + SCORE_CHUNK)
-        scores = torch.relu(torch.einsum("nhd,ld->nhl", q[s:e], keys))
-        logits = torch.einsum("nhl,nh->nl", scores, weights[s:e])
+        scores = torch.einsum("nhd,ld->nhl", q[s:e], kk)[..., :L].relu_()
+        logits = head_sum(scores.mul_(weights[s:e].unsqueeze(-1)))
         causal = key_pos.unsqueeze(0) <= positions[s:e].unsqueeze(1)
         logits = logits.masked_fill(~causal, float("-inf"))
         vals[s:e], out[s:e] = local_candidates(logits, key_pos, topk)
