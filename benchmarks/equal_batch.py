@@ -766,6 +766,10 @@ def plan_mode(mode: str, args) -> dict:
             configs[f"stock-bs{b}"] = dict(backend="vllm", llm_kw=dict(
                 base, kv_backend="vllm", block_size=int(b)))
     configs["ulacache"] = dict(backend="ulacache", llm_kw=dict(base, kv_backend="ulacache"))
+    for b in (args.ula_block_sizes or "").split(","):
+        if b:  # the arena with another attention page (a user's --block-size)
+            configs[f"ulacache-bs{b}"] = dict(backend="ulacache", llm_kw=dict(
+                base, kv_backend="ulacache", block_size=int(b)))
     mtp = _spec_config(args.spec or "").get("method") == "mtp"
     if mtp and name != "qwen3_next":
         raise SystemExit(f"--spec mtp: arena-{name} has no MTP layer (use ngram)")
@@ -826,7 +830,7 @@ def summarize(plan: dict, runs: list[dict]) -> dict:
         med_step = {n: statistics.median(v) for n in names
                     if (v := [x for r in by[n].values()
                               if (x := _decode_mean(r, shape, "median"))])}
-        stock_names = [n for n in names if n != "ulacache" and n in med_step]
+        stock_names = [n for n in names if not n.startswith("ulacache") and n in med_step]
         # The best stock configuration: the lowest median decode step (median over repeats;
         # less moved by a stalled step than the mean on a shared host).
         best = min(stock_names, key=lambda n: med_step[n]) if stock_names else None
@@ -876,6 +880,16 @@ def summarize(plan: dict, runs: list[dict]) -> dict:
                         "step_ratio_median": _ratio_stats(med_r),
                         "step_ratio_min": _ratio_stats(min_r),
                         "wall_ratio": _ratio_stats(wall_r)}
+        # Every other configuration against the baseline, mean decode step per paired repeat
+        # (a stock block size equal to the default's is the A/A control: the noise floor).
+        s["vs_stock_by_config"] = {}
+        for n in names:
+            if n == plan["baseline"]:
+                continue
+            rs = [um / bm for rep, r in by[n].items() if (b := by[plan["baseline"]].get(rep))
+                  and (um := _decode_mean(r, shape)) and (bm := _decode_mean(b, shape))]
+            if rs:
+                s["vs_stock_by_config"][n] = _ratio_stats(rs)
         # ulacache's own figures per engine step (every step of the timed run; rank 0 and,
         # at TP > 1, each rank): store time (DSA) and counters, medians over repeats.
         store, counters = {}, {}
@@ -1039,6 +1053,11 @@ def _fmt_summary(mode: str, plan: dict, summary: dict, runs: list[dict]) -> list
                          f"decode step {nr['median']:.3f} [{nr['min']:.3f}, {nr['max']:.3f}], wall "
                          f"{wr['median']:.3f} [{wr['min']:.3f}, {wr['max']:.3f}] "
                          f"(median [min, max] over {len(sr['values'])} pair(s))")
+        by_cfg = s.get("vs_stock_by_config") or {}
+        if len(by_cfg) > 1:
+            lines.append(f"  every configuration / {plan['baseline']}, mean decode step: " + "; ".join(
+                f"{k} {v['median']:.3f} [{v['min']:.3f}, {v['max']:.3f}]"
+                for k, v in by_cfg.items()))
         for rk, d in s.get("ulacache_store_ms_per_step", {}).items():
             if any(d.values()):
                 lines.append(f"  ulacache store ms/step ({rk}, all steps): " + ", ".join(
@@ -1223,6 +1242,10 @@ def main() -> None:
     ap.add_argument("--block-sizes", default=None,
                     help=f"stock block sizes for arena modes (default {BLOCK_SIZES['full']}, "
                          f"--quick {BLOCK_SIZES['quick']})")
+    ap.add_argument("--ula-block-sizes", default=None,
+                    help="arena modes: also run ulacache with these attention page sizes "
+                         "(`--block-size`; configs ulacache-bsN, reported against stock in "
+                         "vs_stock_by_config)")
     ap.add_argument("--pressure-frac", type=float, default=1 / 3,
                     help="dsa-pressure: ulacache device pool / batch tokens")
     ap.add_argument("--tp2-device-frac", type=float, default=0.75,
