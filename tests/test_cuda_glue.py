@@ -662,6 +662,7 @@ def test_worker_installs_rows_registers_impls_and_runs_the_step(monkeypatch):
     rows = w.rows
     assert rt.ACTIVE["rows"] is rows
     assert len(rows.mappings) == 2
+    assert {m.promote_after for m in rows.mappings} == {UlaSettings().promote_after} == {2}
     # Staging: a decode step's min(max_num_seqs x top-k, host rows), in whole blocks; a
     # 32-token call (max_num_batched_tokens) runs in chunks of S // K tokens.
     assert rows.S == min(2 * K, 6 * B) and rows.S % B == 0
@@ -715,7 +716,9 @@ def test_worker_stats_report_moves_and_pools_without_reading_the_device(kernels,
     lay = _layout()  # group 0 = l0 + l1, device pool 2 blocks per group
     cfg, _, kv = _engine(lay)
     cfg.scheduler_config.max_num_batched_tokens = B  # a block of writes per step
-    w = CudaDsaWorker.build(lay, cfg, UlaSettings(), kv)
+    # promote_after 1: the block read once below is promoted by the next settle (the
+    # admission itself is test_rows_read_once_stay_staged_and_a_second_read_promotes).
+    w = CudaDsaWorker.build(lay, cfg, UlaSettings(promote_after=1), kv)
     rows = w.rows
     step = types.SimpleNamespace(freed=[], hits=[])
 
