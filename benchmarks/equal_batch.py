@@ -830,7 +830,8 @@ def summarize(plan: dict, runs: list[dict]) -> dict:
         med_step = {n: statistics.median(v) for n in names
                     if (v := [x for r in by[n].values()
                               if (x := _decode_mean(r, shape, "median"))])}
-        stock_names = [n for n in names if not n.startswith("ulacache") and n in med_step]
+        stock_names = [n for n in names if not n.startswith("ulacache") and not n.endswith("-aa")
+                       and n in med_step]
         # The best stock configuration: the lowest median decode step (median over repeats;
         # less moved by a stalled step than the mean on a shared host).
         best = min(stock_names, key=lambda n: med_step[n]) if stock_names else None
@@ -1267,6 +1268,10 @@ def main() -> None:
                          "warm-up, not timed) with its selection trace on, to measure the "
                          "indexer's step-to-step top-k overlap on the same batch (recorded "
                          "per mode as indexer_overlap)")
+    ap.add_argument("--aa", action="store_true",
+                    help="also run the baseline a second time in every repeat (config "
+                         "BASELINE-aa, never deduplicated or taken as the best stock): the A/A "
+                         "control, whose ratio to the baseline is this host's noise floor")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--bind", default="auto", help="TP=1: the CPU each engine is pinned to "
                     "(one OpenMP thread; default auto: the idlest CPU at the run's start); "
@@ -1309,6 +1314,13 @@ def main() -> None:
     report: list[str] = []
     for mode in modes:
         plan = plan_mode(mode, args)
+        if args.aa:  # the A/A control runs right after the baseline in every repeat
+            cfgs, base = plan["configs"], plan["baseline"]
+            plan["configs"] = {}
+            for n, c in cfgs.items():
+                plan["configs"][n] = c
+                if n == base:
+                    plan["configs"][f"{base}-aa"] = dict(c, llm_kw=dict(c["llm_kw"]))
         runs: list[dict] = []
         spec = None
         skip: set[str] = set()
@@ -1345,7 +1357,8 @@ def main() -> None:
                     f"wall {v['wall_s']:.2f} s" for s, v in r["shapes"].items()), flush=True)
                 if c["backend"] == "vllm" and name == plan["baseline"] and spec is None:
                     spec = r["spec_bytes"]
-                if rep == 0 and c["backend"] == "vllm" and name != plan["baseline"]:
+                if (rep == 0 and c["backend"] == "vllm" and name != plan["baseline"]
+                        and not name.endswith("-aa")):
                     # a block size the engine overrode to one already run: not run again
                     seen = {x["engine_path"]["block_size"]: x["config"] for x in runs
                             if not x.get("failed") and x["config"] != name
