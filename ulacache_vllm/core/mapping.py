@@ -13,10 +13,11 @@ plan's entries where their rows still are. With no plan outstanding, ``visible``
 
 Promotion admission (``promote_after`` = k): a settle (``ensure_resident``,
 ``settle_and_assign``) promotes a host entry only when it was read from the host in k settles
-in a row, this one included; the others stay on the host, where readers find them through ``locate`` (read in
-place or staged), counted in ``stats.deferred``. k = 1 promotes every host entry read. A row
-read once (an indexer whose top-k moves) then costs no promotion and no later demotion; a row
-read again (a top-k that stays) is promoted one settle later. Freeing an entry forgets its reads.
+in a row, this one included; the others stay on the host, where readers find them through
+``locate`` (read in place or staged), counted in ``stats.deferred``. k = 1 promotes every host
+entry read. A row read once (an indexer whose top-k moves) then costs no promotion and no
+later demotion; a row read again (a top-k that stays) is promoted one settle later. Freeing an
+entry forgets its reads.
 
 Failures: ``CapacityError`` (the round's working set exceeds the device pool, or the host
 pool is full) and ``KeyError`` (unknown addresses) leave tables, pools and stats unchanged.
@@ -374,7 +375,7 @@ class TieredMapping:
         ``want_slots=False`` the slots are not computed (``None`` is returned in their place).
 
         Hits are touched (current round); misses are promoted (with ``promote_after`` k > 1,
-        those read in k settles in a row; the others stay on the host, slot -1), evicting
+        those read from the host in k settles in a row; the others stay there, slot -1), evicting
         victims that were not used in the current round (so never anything of this call).
         Returns ``(device_slots, plan)`` with ``device_slots`` aligned with ``addrs``.
         Raises ``CapacityError`` when the round's working set exceeds the device pool and
