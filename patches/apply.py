@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from . import (
+    block_hasher,
     block_table_translate,
     cli_args,
     cpu_mla_path,
@@ -19,7 +20,7 @@ from . import (
 
 ALL = (engine_args, cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu,
        cpu_sparse_attention, cpu_mla_path, kv_cache_sizing, hybrid_block_size,
-       block_table_translate, mamba_align_translate, cuda_sparse_backend)
+       block_table_translate, mamba_align_translate, cuda_sparse_backend, block_hasher)
 
 
 def apply_all() -> None:

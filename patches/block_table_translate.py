@@ -18,11 +18,15 @@ MODULE = "vllm.v1.worker.block_table"
 def apply() -> None:
     _, orig = resolve(MODULE, "BlockTable.commit_block_table", HOOK)
 
-    def commit_block_table(self, num_reqs: int) -> None:
-        from ulacache_vllm.engine.connector import ula_connector
+    from ulacache_vllm.engine.connector import ula_connector
 
-        conn = ula_connector()
+    def commit_block_table(self, num_reqs: int) -> None:
+        # The connector is found once per table (a per-step lookup otherwise); a table that
+        # found none asks again, so one committed before the connector exists is not stuck.
+        conn = getattr(self, "_ula_connector", None) or ula_connector()
         if conn is None or not conn.worker.commit_block_table(self, num_reqs):
             orig(self, num_reqs)
+            return
+        self._ula_connector = conn
 
     replace(MODULE, "BlockTable.commit_block_table", commit_block_table, HOOK)

@@ -43,6 +43,9 @@ prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(ARG
            for i in range(8)]
 greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 res = {"prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
+import os
+if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # the engine core is here
+    res["hashes_blocks"] = llm.llm_engine.engine_core.engine_core.request_block_hasher is not None
 
 def usage():
     if ARGS["backend"] != "ulacache":
@@ -108,6 +111,9 @@ def _check_prefix_caching_off(ula: dict) -> None:
     so, and its scheduler looked up no prompt token in a prefix cache."""
     assert ula["prefix_caching"] is False, ula["prefix_caching"]
     assert ula["metrics"]["vllm:prefix_cache_queries"] == 0, ula["metrics"]
+    # ...and hashed no block (vLLM hashes whenever a KV connector is configured; ulacache's
+    # connector reads no hash: `patches/block_hasher`).
+    assert ula.get("hashes_blocks", False) is False, ula.get("hashes_blocks")
 
 
 def _check_clean(u: dict) -> None:
@@ -194,6 +200,7 @@ def test_qwen3_next_same_schedule_parity_with_forced_moves(qwen3_next):
     check_aborts(ref)
     check_aborts(ula, ref)
     _check_prefix_caching_off(ula)
+    assert "hashes_blocks" in ula  # (an in-process core: the check above looked at it)
     m = ula["metrics"]
     assert m["vllm:num_preemptions"] == 0 == ref["metrics"]["vllm:num_preemptions"]
     # The moves really ran, with real copies, and the tokens did not change.

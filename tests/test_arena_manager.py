@@ -143,6 +143,48 @@ def test_moves_keep_every_page_and_one_fence_per_step(executor):
     assert not [f for f in mgr.arena.ledger.open_fences() if f.label != "null page"]
 
 
+def test_figures_travel_only_when_one_changes():
+    """A step whose figures are the ones the worker has ships none (its plan carries the
+    fence counts only); the worker's usage always reads the scheduler's figures as of the
+    step's plan, and its connector stats report each shipment once (None in between)."""
+    mgr = _manager(total_pages=48)
+    eng = Engine(mgr)
+    take, at_plan = mgr.take_step, {}
+
+    def take_step():
+        plan = take()
+        now = mgr.stats()
+        at_plan.update(figures={k: v for k, v in now.items() if "fences" not in k},
+                       fences=(now["arena_fences_opened"], now["arena_fences_passed"]))
+        assert now["arena_fences_opened"] == mgr.step_seq
+        return plan
+
+    mgr.take_step = take_step
+    r = _request("r0", 2 * BS)
+    shipped, worker_has, reports = [], None, 0
+    for step in range(3 * BS):
+        if step:
+            r.append_output_token_ids(5)
+        _, plan = eng.step({r: r.num_tokens if step == 0 else 1})
+        if plan.stats is None:
+            assert at_plan["figures"] == worker_has, step  # nothing the worker lacks
+        else:
+            assert {k: v for k, v in plan.stats.items()} == at_plan["figures"], step
+            worker_has = at_plan["figures"]
+        shipped.append(plan.stats is not None)
+        u = eng.worker.usage()
+        assert {k: u[k] for k in worker_has} == worker_has, step
+        assert (u["arena_fences_opened"], u["arena_fences_passed"]) == plan.fences \
+            == at_plan["fences"], step
+        got = eng.worker.stats(0)  # (None also when the shipped figures report no change)
+        assert got is None or shipped[-1], step
+        reports += got is not None
+        assert eng.worker.stats(0) is None  # reported once
+    # The first step and the new pages' steps shipped figures; most decode steps none.
+    assert 3 <= sum(shipped) <= 3 * BS // 4, shipped
+    assert reports >= 3, reports  # the first allocation and two new full pages at least
+
+
 def test_a_running_request_takes_vllms_steps_once(monkeypatch):
     """A running request's tokens without a hits object (the manager's own path for them)
     and with an empty one (through vLLM's ``allocate_slots``) place the same pages and give
@@ -277,6 +319,7 @@ def test_a_page_copied_on_from_a_failed_destination_is_lost(failing, executor):
     """Hand-made plan, pages of 8 bytes: vid 1 goes 0 -> 16 -> 32 over two steps, vid 2
     goes 8 -> 24 in the second. Step ``failing`` raises: vid 1 is lost either way (its chain
     passes through it); vid 2 only if its own step failed; vid 3 (new, zeroed) never."""
+    from ulacache_vllm.engine.arena.pools import ArenaStepPlan
     from ulacache_vllm.engine.arena.worker import ArenaWorker
     from ulacache_vllm.engine.faults import MoveFaults
 
@@ -284,10 +327,10 @@ def test_a_page_copied_on_from_a_failed_destination_is_lost(failing, executor):
     buf = torch.arange(64, dtype=torch.int8)
     w = ArenaWorker(lay, {"l0": buf})
     w.faults = MoveFaults("raise", moves=("arena",), skip=failing, count=1)
-    plan = SimpleNamespace(
+    plan = ArenaStepPlan(
         copies=[np.array([[0, 16, 8]]), np.array([[16, 32, 8], [8, 24, 8]])],
         vids=np.array([1, 2, 3]), granules=np.array([4, 3, 5]), sizes=np.array([8, 8, 8]),
-        zero=np.array([[40, 8]]), stats={})
+        zero=np.array([[40, 8]]))
     w.apply(plan)
     assert w.take_lost() == ({1} if failing == 0 else {1, 2})
     if failing == 0:

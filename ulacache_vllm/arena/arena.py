@@ -54,7 +54,7 @@ class Arena:
         self._kind_index = {k.name: i for i, k in enumerate(kinds)}
         self._space = FreeSpace(self.total_bytes)
         self._ids = VirtualIds()
-        self.ledger = Ledger(self._page_size_at, self._release_bytes, on_pass=self._changed)
+        self.ledger = Ledger(self._check_live, self._release_bytes, on_pass=self._changed)
         # Bumped by every change that can let a refused demand fit (allocation, free, move,
         # a fence passing); the last refused demand and the version it was refused at.
         self._version = 0
@@ -407,9 +407,8 @@ class Arena:
         self._space.add(offset, nbytes)
         self._changed()
 
-    def _page_size_at(self, offset: int) -> int:
-        vid = int(self._ids.p2v([offset])[0])
-        return self.page_bytes[int(self._ids.kind_of([vid])[0])]
+    def _check_live(self, offsets: list[int]) -> None:
+        self._ids.check_mapped(offsets)  # (``_ids`` is swapped by a failed ladder's undo)
 
     def _count_moves(self, plan: CopyPlan, counter: str, pages: int) -> None:
         if plan:

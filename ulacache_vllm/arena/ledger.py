@@ -38,10 +38,10 @@ class Fence:
 
 
 class Ledger:
-    def __init__(self, page_size_of: Callable[[int], int],
+    def __init__(self, check_live: Callable[[list[int]], None],
                  release: Callable[[int, int, object], None],
                  on_pass: Callable[[], None] | None = None) -> None:
-        self._page_size_of = page_size_of  # raises KeyError for a byte offset that is no live page
+        self._check_live = check_live  # raises KeyError for any byte offset that is no live page
         self._release = release
         self._on_pass = on_pass  # told when a fence passes (its pages may move again)
         self._count: dict[int, int] = {}
@@ -59,9 +59,8 @@ class Ledger:
             raise ValueError(f"{fence!r} was not made by this arena's ledger: use arena.fence()")
         if fence.passed:
             return
-        offs = [int(p) for p in np.asarray(phys_pages, dtype=np.int64).ravel()]
-        for p in offs:
-            self._page_size_of(p)
+        offs = np.asarray(phys_pages, dtype=np.int64).ravel().tolist()
+        self._check_live(offs)
         for p in offs:
             self._count[p] = self._count.get(p, 0) + 1
         self._pages_of.setdefault(fence.id, []).extend(offs)
@@ -92,6 +91,10 @@ class Ledger:
 
     def open_fences(self) -> list[Fence]:
         return list(self._open.values())
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
 
     def poll(self) -> int:
         """Complete every open fence whose query says it has passed; returns how many."""

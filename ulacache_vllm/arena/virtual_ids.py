@@ -91,6 +91,13 @@ class VirtualIds:
     def p2v(self, offsets) -> np.ndarray:
         return np.array([self._p2v[int(p)] for p in as_ids(offsets).ravel()], dtype=np.int64)
 
+    def check_mapped(self, offsets: list[int]) -> None:
+        """Raises KeyError for any byte offset that is no live page's."""
+        p2v = self._p2v
+        for p in offsets:
+            if p not in p2v:
+                raise KeyError(p)
+
     def tables(self) -> tuple[np.ndarray, np.ndarray]:
         """Views of (v2p, kind) over every vid (UNMAPPED / -1 where unmapped)."""
         return self._v2p.view(), self._kind.view()

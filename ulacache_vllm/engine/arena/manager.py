@@ -277,22 +277,36 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             self.arena.register_use(changed, fence)
         self.arena.ledger.poll()
         st.dirty = False
-        plan = st.take_plan(changed, {})
-        plan.stats = self.stats()
+        plan = st.take_plan(changed, None)
+        # The figures travel only when one changed since the last plan; the fence counts
+        # travel every step (two ints).
+        figures = self._figures()
+        if figures is not st.stats_sent:
+            st.stats_sent = plan.stats = figures
+        plan.fences = self._fence_counts()
         plan.seq = seq
         return plan
 
-    def stats(self) -> dict:
+    def _figures(self) -> dict:
+        """The arena's figures less the fence counts (one shared dict, rebuilt only when a
+        figure can have changed)."""
         a, st = self.arena, self._state
         cached = sum(len(p.lru) for p in st.pools)
         key = (a.version, a.stats["shortfalls"], cached, *st.cache_stats.values())
-        if st.stats_cache[0] != key:  # (rebuilt only when a figure can have changed)
+        if st.stats_cache[0] != key:
             st.stats_cache = (key, self._arena_stats(cached))
-        out = dict(st.stats_cache[1])
+        return st.stats_cache[1]
+
+    def _fence_counts(self) -> tuple[int, int]:
+        """(opened, passed): step fences opened so far and those that passed (the null
+        page's pin is the one fence that never passes)."""
+        opened = self.fences["opened"]
+        return opened, opened - (self.arena.ledger.num_open - 1)
+
+    def stats(self) -> dict:
+        out = dict(self._figures())
         out["arena_used_by_kind"] = dict(out["arena_used_by_kind"])
-        out["arena_fences_opened"] = self.fences["opened"]
-        out["arena_fences_passed"] = self.fences["opened"] - len(
-            [f for f in a.ledger.open_fences() if f.label != "null page"])
+        out["arena_fences_opened"], out["arena_fences_passed"] = self._fence_counts()
         return out
 
     def _arena_stats(self, cached_free_pages: int) -> dict:

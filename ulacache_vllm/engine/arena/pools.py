@@ -51,7 +51,8 @@ class ArenaStepPlan:
     granules: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     zero: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
-    stats: dict = field(default_factory=dict)
+    stats: dict | None = None  # the arena's figures, when one changed since the last plan
+    fences: tuple[int, int] = (0, 0)  # step fences (opened, passed) so far
     seq: int = 0  # the engine step (its fence passes when the scheduler processed it)
 
     def __bool__(self) -> bool:
@@ -88,8 +89,10 @@ class ArenaState:
         self._sent = np.full(0, -1, np.int64)  # the v2p table the worker has (vid 0 included)
         self._sent_version = -1  # the arena's placement version ``_sent`` was taken at
         self.stats_cache = (None, {})  # (what the figures depend on, ``stats`` less fences)
+        self.stats_sent = None  # the figures the last plan carried (the worker has them)
         self.dirty = False  # pages freed since the last plan (the worker's figures are stale)
         self.min_page = min(self.arena.page_bytes[1:])
+        self._page_bytes = np.asarray(self.arena.page_bytes, np.int64)
         # Prefix caching: every live vid's one KVCacheBlock, the kind pools (each with its LRU
         # of free-but-cached pages), the LRU clock, and whether vLLM's allocate_slots runs.
         self.live: dict[int, KVCacheBlock] = {}
@@ -162,26 +165,30 @@ class ArenaState:
         changed = np.flatnonzero(v2p != self._sent[:len(v2p)])
         return changed[v2p[changed] >= 0]
 
-    def take_plan(self, changed: np.ndarray, stats: dict) -> ArenaStepPlan:
+    def take_plan(self, changed: np.ndarray, stats: dict | None) -> ArenaStepPlan:
         version = self.arena.placement_version
         if version == self._sent_version and not self.copies and not self.new:
             return ArenaStepPlan([], _NO_VIDS, _NO_VIDS, _NO_VIDS, _NO_ZERO, stats)
         v2p, kind = self.arena.placement()
         offs = v2p[changed]
         self._sent, self._sent_version = v2p.copy(), version
-        page_bytes = np.asarray(self.arena.page_bytes, np.int64)
-        new = np.unique(np.asarray(self.new, np.int64))
+        page_bytes = self._page_bytes
+        # (a step's few new vids: Python sets and one array, not numpy's set routines)
+        fresh = set(self.new)
+        new = np.fromiter(sorted(fresh), np.int64, len(fresh))
         new = new[v2p[new] >= 0] if len(new) else new
-        if self.live and len(changed):
-            # Cached pages (held or free-but-cached) this plan moves: the copy is in the plan,
-            # their vids (and hashes) stay.
-            moved = np.setdiff1d(changed, new)
+        if self.copies and self.live:
+            # Cached pages (held or free-but-cached) this plan moves (only copies move pages):
+            # the copy is in the plan, their vids (and hashes) stay.
+            live = self.live
             self.cache_stats["cached_pages_moved"] += sum(
-                1 for v in moved.tolist()
-                if v in self.live and self.live[v].block_hash is not None)
-        zero = np.zeros((0, 2), np.int64)
+                1 for v in changed.tolist()
+                if v not in fresh and v in live and live[v].block_hash is not None)
+        zero = _NO_ZERO
         if len(new):
-            zero = np.stack([v2p[new], page_bytes[kind[new]]], axis=1)
+            zero = np.empty((len(new), 2), np.int64)
+            zero[:, 0] = v2p[new]
+            zero[:, 1] = page_bytes[kind[new]]
         plan = ArenaStepPlan(self.copies, changed, offs // self.layout.alignment,
                              page_bytes[kind[changed]], zero, stats)
         self.copies, self.new = [], []

@@ -99,7 +99,9 @@ class ArenaWorker(LineWorker):
         self.v2g = torch.zeros(1024, dtype=torch.int32, device=first.device)
         self.counters = {"steps": 0, "copies": 0, "bytes_copied": 0, "zeroed_pages": 0,
                          "failed_copy_steps": 0, "lost_pages": 0, "stalled_copy_steps": 0}
-        self.stats_seen: dict = {}  # the scheduler's arena stats, from the last plan
+        self.stats_seen: dict = {}  # the scheduler's arena figures, as the last plan with some
+        self.fences_seen = (0, 0)  # the scheduler's step fences (opened, passed)
+        self._fresh = False  # figures or a failed copy since the last ``stats``
         self.faults = faults  # test-only (`move_faults`); None: no fault can fire
         self.lost: set[int] = set()  # vids whose bytes a failed copy lost, not yet reported
         self._reported: dict = {}  # counters and gauges as last sent (`stats`)
@@ -116,8 +118,15 @@ class ArenaWorker(LineWorker):
         return True
 
     def apply(self, plan) -> None:
+        self.fences_seen = plan.fences
+        if plan.stats is not None:
+            self.stats_seen = plan.stats
+            self._fresh = True
+        self.counters["steps"] += 1
         if self.faults is not None:
             self.faults.poll()
+        elif not plan:  # most decode steps: nothing placed, moved or new
+            return
         bad: BadBytes | None = None
         for step in plan.copies:
             try:
@@ -128,6 +137,7 @@ class ArenaWorker(LineWorker):
                 bad = bad or BadBytes()
                 bad.failed(step.tolist())
                 self.counters["failed_copy_steps"] += 1
+                self._fresh = True
                 logger.error("ulacache arena: a page copy step failed (%s: %s); %d pages' "
                              "destinations marked lost", type(err).__name__, err, len(step))
                 continue
@@ -150,9 +160,6 @@ class ArenaWorker(LineWorker):
         if len(plan.zero):
             self._zero(plan.zero)
         self.counters["zeroed_pages"] += len(plan.zero)
-        self.counters["steps"] += 1
-        if plan.stats:
-            self.stats_seen = plan.stats
 
     def _gather(self, nbytes: np.ndarray) -> bool:
         """Whole-step index ops (a gather and a scatter, or one fill) rather than a slice copy
@@ -212,6 +219,9 @@ class ArenaWorker(LineWorker):
         """The arena's counters as increments since the last report, its gauges as they are;
         sent when they changed: the scheduler's counters (in the plan's stats) and this
         worker's failed copies."""
+        if not self._fresh:  # no new figures and no failed copy since the last call
+            return None
+        self._fresh = False
         seen, failed = self.stats_seen, self.counters["failed_copy_steps"]
         sig = (failed, *(seen.get(k) for k in _REPORTED))
         if sig == self._sig:  # what the last call saw: it reported it, or found nothing new
@@ -236,6 +246,7 @@ class ArenaWorker(LineWorker):
     def usage(self) -> dict:
         """The arena's figures as of the last step."""
         out = dict(self.stats_seen)
+        out["arena_fences_opened"], out["arena_fences_passed"] = self.fences_seen
         out["worker"] = dict(self.counters)  # copies and zeroing this worker executed
         lay = self.layout
         out["alignment"] = lay.alignment
