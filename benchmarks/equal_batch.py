@@ -754,6 +754,8 @@ def plan_mode(mode: str, args) -> dict:
     shapes = dict(ARENA_SHAPES[q])
     if args.arena_shapes:
         shapes = {s: shapes[s] for s in args.arena_shapes.split(",")}
+    if getattr(args, "arena_out", None):  # longer decodes: more full-batch steps per run
+        shapes = {s: (n, p, args.arena_out) for s, (n, p, _) in shapes.items()}
     mml = max(p + o for _, p, o in shapes.values())
     mml = _rup(mml, 256)
     step_budget = max(max(n * p for n, p, _ in shapes.values()), mml)
@@ -1240,6 +1242,8 @@ def main() -> None:
                          f"(default {DSA_SHAPE['full']}, --quick {DSA_SHAPE['quick']}; "
                          f"dsa-pressure --quick {PRESSURE_SHAPE['quick']})")
     ap.add_argument("--arena-shapes", default=None, help="subset of short,long")
+    ap.add_argument("--arena-out", type=int, default=None, metavar="M",
+                    help="output tokens of every arena shape (default: the shape's own)")
     ap.add_argument("--block-sizes", default=None,
                     help=f"stock block sizes for arena modes (default {BLOCK_SIZES['full']}, "
                          f"--quick {BLOCK_SIZES['quick']})")
