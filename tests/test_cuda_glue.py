@@ -347,6 +347,8 @@ def test_rows_read_once_stay_staged_and_a_second_read_promotes(kernels):
         w.rows.begin_step()
         if len(staged) == 1:
             assert all(w.rows.counters[k] == moved[k] for k in ("promotions", "demotions"))
+            # ...and counted as deferred (what /metrics reports as ulacache_deferred)
+            assert w.rows.counters["deferred"] - moved["deferred"] == staged[0]
     assert staged[0] == staged[1] > 0  # nothing moved in between: the same rows staged again
     assert w.rows.counters["promotions"] > 0
     for layer in w.layers:
@@ -737,7 +739,7 @@ def test_worker_stats_report_moves_and_pools_without_reading_the_device(kernels,
         reports.append(stats())
     assert all(r is not None for r in reports)  # pools changed every step
     d = reports[2].data
-    assert d["demotions"] == B and d["promotions"] == 0
+    assert d["demotions"] == B and d["promotions"] == 0 and d["deferred"] == 0
     assert d["bytes_moved"] == B * 2 * D * 2  # rows x 1152 B (bf16) x 2 layers of the group
     red = reports[2].reduce()
     assert red["device_used"] == 2 * B and red["host_used"] == B

@@ -148,7 +148,7 @@ class CudaRows:
         self.counters = {"promotions": 0, "demotions": 0, "bytes_moved": 0,
                          "fallback_chunks": 0, "staged": 0, "overflow": 0, "unmapped": 0,
                          "steps": 0, "chunked_calls": 0, "attention_chunks": 0,
-                         "unsettled": 0, "merged_plans": 0}
+                         "unsettled": 0, "merged_plans": 0, "deferred": 0}
         self.write_errors = torch.zeros(1, dtype=torch.int64, device=dev)
         # PB-LRU round labels touched by the forward's resolve (device hits get the current
         # round from a device scalar, refreshed in begin_step): eviction sees reads as the
@@ -315,6 +315,8 @@ class CudaRows:
                 K.resolve_impl(out).write_translate(
                     sm.reshape(-1), m.visible, self.identity, dev_base=self.dev_base(n),
                     trash_row=self.S - 1, errors=self.write_errors, out=out)
+        # Host rows read but left on the host (``promote_after``): the mappings' own count.
+        self.counters["deferred"] = sum(m.stats.deferred for m in self.mappings)
         # Registered again by the next step's slot mappings (the runner builds them per step).
         self.logical_writes.clear()
 

@@ -17,8 +17,9 @@ nonzero overflow count in the kernels' miss logs raises at the next step
 pools (staging, miss logs, claim table, ...: `cuda.device_extra_bytes`) are taken out of the KV
 budget by dsa/sizing.py with the same functions, and logged here.
 Connector stats (`stats`, vLLM's ``get_kv_connector_stats`` after the forward): promotions,
-demotions, bytes moved, fallback chunks and the pool gauges, as on the CPU path and on the same
-schedule, from host counters `CudaRows.begin_step` already keeps (no device read of their own).
+deferred promotions, demotions, bytes moved, fallback chunks and the pool gauges, as on the
+CPU path and on the same schedule, from host counters `CudaRows.begin_step` already keeps (no
+device read of their own).
 Not reported: lookups and device hits (the resolve counts host misses only, so no hit rate).
 Not covered: TP shard mode, MTP draft layers, prefix-hit counting, lost-block reporting
 (copies are device ops; a failure raises).
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from ..sizing import UlaLayout
 
 logger = init_logger("vllm.ulacache.dsa.cuda")
-STAT_COUNTERS = ("promotions", "demotions", "bytes_moved", "fallback_chunks")
+STAT_COUNTERS = ("promotions", "demotions", "bytes_moved", "fallback_chunks", "deferred")
 
 
 def layer_groups(layout: "UlaLayout") -> list[list[str]]:
@@ -126,7 +127,8 @@ class CudaDsaWorker(LineWorker):
         c = self.rows.counters
         delta = {k: c[k] - self._reported[k] for k in STAT_COUNTERS}
         pools = self.usage_pools()
-        moved = delta["promotions"] or delta["demotions"] or pools != self._last_pools
+        moved = (delta["promotions"] or delta["demotions"] or delta["deferred"]
+                 or pools != self._last_pools)
         if not moved and self.step - self._last_report < STATS_EVERY:
             return None
         self._reported = {k: c[k] for k in STAT_COUNTERS}
