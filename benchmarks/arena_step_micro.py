@@ -4,7 +4,9 @@ step, the scheduler's ``take_step`` (the step plan and its stats), the worker's 
 ``translate`` (two block tables) and ``stats``. The shape is ``equal_batch.py --quick``'s
 short arena batch on GPT-OSS-like groups (12 requests, 96 prompt tokens, 24 decode steps;
 sliding window 128 and full attention, 32-token pages). Timed: the decode steps that allocate
-no page (the common step), median us per step.
+no page (the common step), median us per step; and the page events, median us per round: the
+first decode step (every request crosses into a new page of each group: allocation, the plan,
+its apply with the new pages zeroed) and the end (every request freed).
 
 Hot loops: every figure is far below what the same code costs inside an engine step, where
 the forward has evicted it from the caches (equal_batch.py --profile measures that); use this
@@ -69,7 +71,8 @@ def _block_table():
     return SimpleNamespace(block_table=SimpleNamespace(cpu=cpu, gpu=torch.zeros_like(cpu)))
 
 
-def run(mgr, worker, rounds: int, timers: dict) -> None:
+def run(mgr, worker, rounds: int, timers: dict, events: dict | None = None) -> None:
+    events = {} if events is None else events
     tables = [_block_table(), _block_table()]
     for r in range(rounds):
         reqs = [Request(f"r{r}-{i}", list(range(1, L + 1)), SamplingParams(max_tokens=1000),
@@ -96,11 +99,15 @@ def run(mgr, worker, rounds: int, timers: dict) -> None:
             if step > 1:  # decode steps that allocate nothing
                 for k, a, b in zip(timers, t, t[1:]):
                     timers[k].append(b - a)
+            elif step == 1:  # token L + 1: a new page of each group for every request
+                events.setdefault("first_decode_step", []).append(t[-1] - t[0])
             for q in reqs:
                 q.num_computed_tokens += 1 if step else L
                 q.append_output_token_ids(7)
+        t0 = time.perf_counter()
         for q in reqs:
             mgr.free(q)
+        events.setdefault("free_all", []).append(time.perf_counter() - t0)
 
 
 def main() -> None:
@@ -124,15 +131,23 @@ def main() -> None:
         prof = cProfile.Profile() if args.prof and worker is not None else None
         if prof:
             prof.enable()
-        run(mgr, worker, args.rounds, timers)
+        events: dict = {}
+        run(mgr, worker, args.rounds, timers, events)
         if prof:
             prof.disable()
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
         out[name] = {k: 1e6 * float(np.median(v)) for k, v in timers.items() if v}
+        out[name + " events"] = {k: 1e6 * float(np.median(v)) for k, v in events.items()}
     print(f"us per step, median over {args.rounds * (M - 1)} decode steps that allocate no page "
           f"({N} requests):")
     for name, d in out.items():
-        print(f"  {name:6s}", "  ".join(f"{k} {v:6.1f}" for k, v in d.items()))
+        if not name.endswith("events"):
+            print(f"  {name:6s}", "  ".join(f"{k} {v:6.1f}" for k, v in d.items()))
+    print(f"page events, us per round, median over {args.rounds} rounds (stock: allocation "
+          f"alone; the arena: allocation, take_step, apply with zeroing, translate, stats):")
+    for name in ("stock", "arena"):
+        d = out[name + " events"]
+        print(f"  {name:6s}", "  ".join(f"{k} {v:7.1f}" for k, v in d.items()))
     print(f"  allocate_slots, arena - stock: "
           f"{out['arena']['allocate_slots'] - out['stock']['allocate_slots']:+.1f} us per step")
 

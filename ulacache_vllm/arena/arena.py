@@ -25,6 +25,8 @@ from .virtual_ids import VirtualIds, as_ids
 
 def _count(value, what: str) -> int:
     """``value`` as an int if it is an integer (numpy ones too), else a ValueError naming it."""
+    if type(value) is int:  # (the common case, without the ABC check)
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{what} must be an integer, got {value!r}")
     return int(value)
@@ -52,6 +54,8 @@ class Arena:
         self.kinds = list(kinds)
         self.page_bytes = [k.page_bytes(alignment) for k in kinds]
         self._kind_index = {k.name: i for i, k in enumerate(kinds)}
+        self._by_band = {band: sorted((i for i, k in enumerate(kinds) if k.band is band),
+                                      key=lambda i: -self.page_bytes[i]) for band in Band}
         self._space = FreeSpace(self.total_bytes)
         self._ids = VirtualIds()
         self.ledger = Ledger(self._check_live, self._release_bytes, on_pass=self._changed)
@@ -65,6 +69,10 @@ class Arena:
 
     # -- kinds & queries ------------------------------------------------------------------------
     def kind_index(self, kind) -> int:
+        if type(kind) is int and 0 <= kind < len(self.kinds):  # (the common cases first)
+            return kind
+        if type(kind) is str and kind in self._kind_index:
+            return self._kind_index[kind]
         if isinstance(kind, KindSpec):
             kind = kind.name
         if isinstance(kind, (bool, np.bool_)):  # (an int subclass: True would mean kind #1)
@@ -277,9 +285,8 @@ class Arena:
         return (a, b) if band is Band.LOW else (self.total_bytes - b, self.total_bytes - a)
 
     def _band_kinds(self, band: Band) -> list[int]:
-        # Largest pages first: they have the fewest holes that fit them.
-        return sorted((i for i, k in enumerate(self.kinds) if k.band is band),
-                      key=lambda i: -self.page_bytes[i])
+        # Largest pages first: they have the fewest holes that fit them (kinds are fixed).
+        return self._by_band[band]
 
     def _demands(self, demands: Mapping) -> dict[int, int]:
         dem: dict[int, int] = {}

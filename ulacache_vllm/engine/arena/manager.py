@@ -209,7 +209,7 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             return False
         if need > self.arena.free_bytes:
             st.evict_for(need, keep)
-        want = {self.arena.kinds[k].name: n for k, n in demands.items()}
+        want = {k: n for k, n in demands.items() if n}  # (kind indices)
         res = self.arena.allocate(want)
         while not res.ok and st.evict_for(
                 self.arena.free_bytes + max(res.shortfall_bytes, st.min_page), keep):
@@ -222,6 +222,10 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             st.staged[k] = vids.tolist()
             st.new.extend(st.staged[k])
         return True
+
+    def free(self, request) -> None:
+        with self._state.batched_release():  # every group's pages in one arena release
+            super().free(request)
 
     def _staged_taken(self) -> None:
         st = self._state

@@ -11,6 +11,7 @@ prefix cache's persistent blocks and LRUs) and those pools.
 """
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 from collections import OrderedDict
@@ -101,6 +102,7 @@ class ArenaState:
         self.clock = itertools.count()
         self.allocating = False
         self.cache_stats = {"cached_pages_moved": 0, "cache_evictions": 0}
+        self.releasing: list[int] | None = None  # inside ``batched_release``
 
     # A per-kind page demand this large means "not this step" (Mamba's same-step-hit sentinel).
     DEFER = 1 << 40
@@ -108,8 +110,23 @@ class ArenaState:
     def release(self, vids) -> None:
         for v in vids:
             self.live.pop(v, None)
+        if self.releasing is not None:  # one request's groups: one arena release at the end
+            self.releasing.extend(vids)
+            return
         self.arena.release(np.asarray(vids, np.int64))
         self.dirty = True
+
+    @contextlib.contextmanager
+    def batched_release(self):
+        """Pages released inside go back to the arena together, at the end."""
+        self.releasing = []
+        try:
+            yield
+        finally:
+            vids, self.releasing = self.releasing, None
+            if vids:
+                self.arena.release(np.asarray(vids, np.int64))
+                self.dirty = True
 
     def cached_free_bytes(self) -> int:
         page = self.arena.page_bytes
