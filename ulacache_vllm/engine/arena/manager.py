@@ -281,7 +281,7 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             self.arena.register_use(changed, fence)
         self.arena.ledger.poll()
         st.dirty = False
-        plan = st.take_plan(changed, None)
+        plan = st.take_plan(changed)
         # The figures travel only when one changed since the last plan; the fence counts
         # travel every step (two ints).
         figures = self._figures()

@@ -182,10 +182,10 @@ class ArenaState:
         changed = np.flatnonzero(v2p != self._sent[:len(v2p)])
         return changed[v2p[changed] >= 0]
 
-    def take_plan(self, changed: np.ndarray, stats: dict | None) -> ArenaStepPlan:
+    def take_plan(self, changed: np.ndarray) -> ArenaStepPlan:
         version = self.arena.placement_version
         if version == self._sent_version and not self.copies and not self.new:
-            return ArenaStepPlan([], _NO_VIDS, _NO_VIDS, _NO_VIDS, _NO_ZERO, stats)
+            return ArenaStepPlan([], _NO_VIDS, _NO_VIDS, _NO_VIDS, _NO_ZERO)
         v2p, kind = self.arena.placement()
         offs = v2p[changed]
         self._sent, self._sent_version = v2p.copy(), version
@@ -207,7 +207,7 @@ class ArenaState:
             zero[:, 0] = v2p[new]
             zero[:, 1] = page_bytes[kind[new]]
         plan = ArenaStepPlan(self.copies, changed, offs // self.layout.alignment,
-                             page_bytes[kind[changed]], zero, stats)
+                             page_bytes[kind[changed]], zero)
         self.copies, self.new = [], []
         return plan
 
