@@ -31,12 +31,12 @@ def _plan(page: int, n: int, alignment: int, copies: bool, rng):
     placed = np.concatenate([dst, new]) if copies else new
     return SimpleNamespace(copies=[step] if copies else [], vids=np.arange(1, len(placed) + 1),
                            granules=placed // alignment, sizes=np.full(len(placed), page),
-                           zero=zero, stats={})
+                           new=zero, stats={})
 
 
 def _reference(buf: torch.Tensor, plan) -> None:
     CopyPlan(plan.copies).apply(buf)
-    for off, n in plan.zero.tolist():
+    for off, n in plan.new.tolist():
         buf[off:off + n].zero_()
 
 
@@ -66,7 +66,8 @@ def main() -> None:
             plan = _plan(page, n, a, copies, rng)
             buf = torch.randint(-128, 127, (4 * n * page,), dtype=torch.int8)
             check = buf.clone()
-            w = ArenaWorker(SimpleNamespace(buffer_bytes=buf.numel(), alignment=a), {"l": buf})
+            w = ArenaWorker(SimpleNamespace(buffer_bytes=buf.numel(), alignment=a,
+                                             zero_new_pages=True), {"l": buf})
             w.apply(plan)
             _reference(check, plan)
             assert torch.equal(buf, check), "the executors disagree"

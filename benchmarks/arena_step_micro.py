@@ -6,7 +6,7 @@ short arena batch on GPT-OSS-like groups (12 requests, 96 prompt tokens, 24 deco
 sliding window 128 and full attention, 32-token pages). Timed: the decode steps that allocate
 no page (the common step), median us per step; and the page events, median us per round: the
 first decode step (every request crosses into a new page of each group: allocation, the plan,
-its apply with the new pages zeroed) and the end (every request freed).
+its apply, with the new pages zeroed where vLLM would zero them) and the end (every request freed).
 
 Hot loops: every figure is far below what the same code costs inside an engine step, where
 the forward has evicted it from the caches (equal_batch.py --profile measures that); use this
@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCach
 from vllm.v1.request import Request, RequestStatus
 
 from ulacache_vllm.engine.arena.manager import ArenaKVCacheManager
-from ulacache_vllm.engine.arena.sizing import ArenaGroup, ArenaLayout
+from ulacache_vllm.engine.arena.sizing import ArenaGroup, ArenaLayout, needs_zeroing
 from ulacache_vllm.engine.arena.worker import ArenaWorker
 from ulacache_vllm.engine.line import UlaKVCacheConfig
 
@@ -51,7 +51,10 @@ def arena_manager() -> ArenaKVCacheManager:
     groups = [ArenaGroup("sliding", "low", ("l0", "l2"), PAGE, BS, 5),
               ArenaGroup("full", "high", ("l1", "l3"), PAGE, BS, MAX_LEN // BS)]
     total = PAGES * PAGE
-    layout = ArenaLayout(groups, PAGE, total, total + PAGE, total + PAGE, MAX_LEN)
+    # New pages zeroed where the engine zeroes them (``plan_arena``: vLLM's rule; not here).
+    zero = needs_zeroing([(g.layer_names, g.kv_cache_spec) for g in _groups()])
+    layout = ArenaLayout(groups, PAGE, total, total + PAGE, total + PAGE, MAX_LEN,
+                         zero_new_pages=zero)
     cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
                         kv_cache_groups=_groups())
     return ArenaKVCacheManager(UlaKVCacheConfig.of(cfg, layout), max_model_len=MAX_LEN,

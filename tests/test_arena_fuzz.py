@@ -24,9 +24,13 @@ def test_random_steps_under_pressure_keep_pages_bytes_and_bands(seed):
     assert stats.compactions > 0 and stats.relayouts > 0 and stats.bytes_copied > 0, stats
 
 
-def test_moves_only_when_an_admission_needs_room():
-    stats = run(2, num_steps=600, total_pages=48, force_moves=0)
+@pytest.mark.parametrize("zero_new_pages", [True, False])
+def test_moves_only_when_an_admission_needs_room(zero_new_pages):
+    """Also with new pages left unzeroed (stock's rule for KV of one precision): pages and
+    their bytes stay right either way, and the worker zeroes exactly when the layout says so."""
+    stats = run(2, num_steps=600, total_pages=48, force_moves=0, zero_new_pages=zero_new_pages)
     assert stats.compactions + stats.relayouts > 0 and stats.bytes_copied > 0, stats
+    assert (stats.zeroed_pages > 0) == zero_new_pages, stats
 
 
 def test_failing_copies_end_only_requests_holding_lost_pages():

@@ -221,7 +221,7 @@ def test_a_running_request_takes_vllms_steps_once(monkeypatch):
             Harness.step(eng, schedule)
             p = eng.plan
             trace.append(([mgr.get_block_ids(r.request_id) for r in reqs], p.vids.tolist(),
-                          p.granules.tolist(), p.zero.tolist(), [c.tolist() for c in p.copies],
+                          p.granules.tolist(), p.new.tolist(), [c.tolist() for c in p.copies],
                           mgr.stats()))
         traces[path] = trace
         assert len(calls) == (0 if path == "own" else 2 * BS * len(reqs))
@@ -252,7 +252,7 @@ def _run_with_faults(faults, seed: int, steps: int = 36):
             r.append_output_token_ids(5)
         _, plan = eng.step({r: 1 for r in live})
         if eng.lost:
-            new = set(mgr.arena.p2v(plan.zero[:, 0]).tolist())
+            new = set(mgr.arena.p2v(plan.new[:, 0]).tolist())
             moved = set(plan.vids.tolist()) - new
             ended = mgr.lost_block_owners(eng.lost, live)
             for r in [r for r in live if r.request_id in ended]:
@@ -314,29 +314,33 @@ def test_bad_bytes_follow_the_copy_chain():
     assert b.within(0, 103) == [(100, 103)] and not b.within(105, 200)
 
 
+@pytest.mark.parametrize("zero_new", [True, False])
 @pytest.mark.parametrize("failing", [0, 1])
-def test_a_page_copied_on_from_a_failed_destination_is_lost(failing, executor):
+def test_a_page_copied_on_from_a_failed_destination_is_lost(failing, zero_new, executor):
     """Hand-made plan, pages of 8 bytes: vid 1 goes 0 -> 16 -> 32 over two steps, vid 2
     goes 8 -> 24 in the second. Step ``failing`` raises: vid 1 is lost either way (its chain
-    passes through it); vid 2 only if its own step failed; vid 3 (new, zeroed) never."""
+    passes through it); vid 2 only if its own step failed; vid 3 (new) never, zeroed or not;
+    its bytes are zeroed exactly when the layout says so."""
     from ulacache_vllm.engine.arena.pools import ArenaStepPlan
     from ulacache_vllm.engine.arena.worker import ArenaWorker
     from ulacache_vllm.engine.faults import MoveFaults
 
-    lay = SimpleNamespace(buffer_bytes=64, alignment=8)
+    lay = SimpleNamespace(buffer_bytes=64, alignment=8, zero_new_pages=zero_new)
     buf = torch.arange(64, dtype=torch.int8)
     w = ArenaWorker(lay, {"l0": buf})
     w.faults = MoveFaults("raise", moves=("arena",), skip=failing, count=1)
     plan = ArenaStepPlan(
         copies=[np.array([[0, 16, 8]]), np.array([[16, 32, 8], [8, 24, 8]])],
         vids=np.array([1, 2, 3]), granules=np.array([4, 3, 5]), sizes=np.array([8, 8, 8]),
-        zero=np.array([[40, 8]]))
+        new=np.array([[40, 8]]))
     w.apply(plan)
     assert w.take_lost() == ({1} if failing == 0 else {1, 2})
     if failing == 0:
         assert buf[24:32].tolist() == list(range(8, 16))  # vid 2 moved intact
     assert w.counters["failed_copy_steps"] == 1
-    assert w.v2g[1:4].tolist() == [4, 3, 5] and not buf[40:48].any()
+    assert w.v2g[1:4].tolist() == [4, 3, 5]
+    assert buf[40:48].tolist() == ([0] * 8 if zero_new else list(range(40, 48)))
+    assert w.counters["zeroed_pages"] == (1 if zero_new else 0)
 
 
 def test_a_page_placed_in_a_step_in_flight_is_not_moved():
@@ -393,3 +397,17 @@ def test_unsupported_hybrid_setups_are_refused_with_the_fix(what):
         match = "decode_context_parallel_size > 1.*--kv-backend vllm"
     with pytest.raises(config.KVBackendError, match=match):
         sizing.prepare(SimpleNamespace(parallel_config=pc), config.UlaSettings())
+
+
+def test_new_pages_are_zeroed_by_vllms_rule():
+    """The arena zeroes new pages where vLLM zeroes its own blocks: with Mamba state or KV of
+    two precisions sharing the bytes, not for attention kinds of one precision."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from ulacache_vllm.engine.arena.sizing import needs_zeroing
+
+    half = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.bfloat16)
+    state = MambaSpec(block_size=MAX_LEN, shapes=((3, 256),), dtypes=(torch.float32,))
+    assert not needs_zeroing([(["l0"], SWA), (["l1"], FULL)])
+    assert needs_zeroing([(["l0"], SWA), (["l1"], half)])
+    assert needs_zeroing([(["l0"], state), (["l1"], FULL)])

@@ -282,6 +282,9 @@ def test_arena_rows_are_the_engines_plan_arena(name, monkeypatch):
             assert g.layer_page_bytes == specs[g.layer_names[0]].page_size_bytes
             if not g.kind.startswith("state"):
                 assert g.block_size == 32
+        # New pages zeroed only where vLLM zeroes its own (Mamba state; one KV precision
+        # otherwise).
+        assert lay.zero_new_pages == name.startswith("qwen3")
         if name.startswith("qwen3"):
             assert by_kind["state"].pages_per_max_request == 1
             padded = p.block_size * attention_token_bytes(p.model, p.kv_dtype, p.cluster.tp)

@@ -16,7 +16,7 @@ step:
   state page, and at most the window's pages of the sliding group (the rest are null);
 * live pages, free extents and withheld bytes tile the arena exactly;
 * the worker's copy of every page holds the value written into it, wherever the page now
-  lives; new pages reach the forward zeroed.
+  lives; new pages reach the forward zeroed where the layout zeroes them.
 
 With ``caching`` vLLM's prefix caching runs over the arena: prompts start with one of a few
 shared prefixes, admissions take prefix hits (vLLM's own lookup), the state kind runs Mamba's
@@ -53,6 +53,7 @@ class ArenaFuzzStats:
     compactions: int = 0
     relayouts: int = 0
     bytes_copied: int = 0
+    zeroed_pages: int = 0
     lost_pages: int = 0
     ended_by_faults: int = 0
     hit_tokens: int = 0  # prompt tokens admissions took from the prefix cache
@@ -75,7 +76,8 @@ def specs(caching: bool = False):
     return {"sliding": ("l0", swa), "full": ("l1", full), "state": ("l2", state)}
 
 
-def manager(total_bytes: int, force_moves: int = 0, caching: bool = False):
+def manager(total_bytes: int, force_moves: int = 0, caching: bool = False,
+            zero_new_pages: bool = True):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     from ulacache_vllm.engine.arena.manager import ArenaKVCacheManager
@@ -91,7 +93,7 @@ def manager(total_bytes: int, force_moves: int = 0, caching: bool = False):
     align = 1 << min((p & -p).bit_length() - 1 for p in pages)
     total = total_bytes // align * align
     layout = ArenaLayout(groups, align, total, total + max(pages), total + max(pages), MAX_LEN,
-                         force_moves_every=force_moves)
+                         force_moves_every=force_moves, zero_new_pages=zero_new_pages)
     cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec([n], s) for n, s in sp.values()])
     cfg = UlaKVCacheConfig.of(cfg, layout)
@@ -134,10 +136,11 @@ class Harness:
         for vid in self.lost:
             self.content.pop(vid, None)  # not checked, refilled below
             self.by_hash = {k: v for k, v in self.by_hash.items() if k[1] != vid}
-        for vid in self.mgr.arena.p2v(plan.zero[:, 0]).tolist():
-            self.content.pop(vid, None)  # a new page (a recycled vid): zeroed, refilled below
+        for vid in self.mgr.arena.p2v(plan.new[:, 0]).tolist():
+            self.content.pop(vid, None)  # a new page (a recycled vid): refilled below
             self.by_hash = {k: v for k, v in self.by_hash.items() if k[1] != vid}
-            assert bool((self.page(vid) == 0).all()), f"new page {vid} not zeroed"
+            if self.mgr.layout.zero_new_pages:
+                assert bool((self.page(vid) == 0).all()), f"new page {vid} not zeroed"
         self.check_pages()
         for req, n in scheduled.items():
             req.num_computed_tokens += n
@@ -239,9 +242,11 @@ def _check_holdings(mgr, live: dict, last: dict, caching: bool = False) -> None:
 
 
 def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
-        fault_every: int = 0, caching: bool = False) -> ArenaFuzzStats:
+        fault_every: int = 0, caching: bool = False,
+        zero_new_pages: bool = True) -> ArenaFuzzStats:
     """``num_steps`` engine steps of random operations; ``fault_every``: about one step in
-    this many has a failing copy (0: none)."""
+    this many has a failing copy (0: none); ``zero_new_pages``: the layout's (off: new pages
+    keep their stale bytes, as stock's blocks of one precision do)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
@@ -249,7 +254,7 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
 
     rng = random.Random(seed)
     page = specs()["full"][1].page_size_bytes
-    mgr = manager(total_pages * page, force_moves, caching)
+    mgr = manager(total_pages * page, force_moves, caching, zero_new_pages)
     hasher = None
     if caching:
         from vllm.utils.hashing import sha256
@@ -388,4 +393,5 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
     s = mgr.stats()
     stats.compactions, stats.relayouts = s["arena_compactions"], s["arena_relayouts"]
     stats.bytes_copied = h.worker.counters["bytes_copied"]
+    stats.zeroed_pages = h.worker.counters["zeroed_pages"]
     return stats

@@ -3,7 +3,7 @@ pools (the arena, the vids staged for vLLM's managers, the step's accumulated pl
 prefix cache's persistent blocks and LRUs) and those pools.
 
 - A step's plan lists every change of placement since the last plan (copies, vids placed
-  where, new pages to zero); while the arena's placement version is the one the worker's
+  where, the new pages); while the arena's placement version is the one the worker's
   table was taken at, nothing changed and the plan is empty.
 - One persistent ``KVCacheBlock`` per live vid; vid 0 is the null page (pinned, never freed).
 - A hashed page whose last holder frees it stays live in its pool's LRU (free but cached)
@@ -37,7 +37,7 @@ def _frozen(shape) -> np.ndarray:
 
 
 # The arrays of a plan that places nothing (shared, read-only).
-_NO_VIDS, _NO_ZERO = _frozen(0), _frozen((0, 2))
+_NO_VIDS, _NO_NEW = _frozen(0), _frozen((0, 2))
 
 
 @dataclass
@@ -45,19 +45,19 @@ class ArenaStepPlan:
     """What the worker does before a step's forward, in this order: the copy steps (each a
     ``(k, 3)`` array of src, dst, nbytes; sources of a step read before any write), the v2g
     updates (``vids`` placed at ``granules``, pages of ``sizes`` bytes), then zero the new
-    pages (byte offset, nbytes)."""
+    pages (``new``: byte offset, nbytes) where the layout says so (``zero_new_pages``)."""
 
     copies: list = field(default_factory=list)
     vids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     granules: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    zero: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    new: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
     stats: dict | None = None  # the arena's figures, when one changed since the last plan
     fences: tuple[int, int] = (0, 0)  # step fences (opened, passed) so far
     seq: int = 0  # the engine step (its fence passes when the scheduler processed it)
 
     def __bool__(self) -> bool:
-        return bool(self.copies) or bool(len(self.vids)) or bool(len(self.zero))
+        return bool(self.copies) or bool(len(self.vids)) or bool(len(self.new))
 
 
 def arena_kinds(layout) -> list[KindSpec]:
@@ -86,7 +86,7 @@ class ArenaState:
         self.null_block.is_null = True
         self.staged: dict[int, list[int]] = {}
         self.copies: list[np.ndarray] = []
-        self.new: list[int] = []  # vids allocated since the last plan (zeroed by the worker)
+        self.new: list[int] = []  # vids allocated since the last plan
         self._sent = np.full(0, -1, np.int64)  # the v2p table the worker has (vid 0 included)
         self._sent_version = -1  # the arena's placement version ``_sent`` was taken at
         self.stats_cache = (None, {})  # (what the figures depend on, ``stats`` less fences)
@@ -185,7 +185,7 @@ class ArenaState:
     def take_plan(self, changed: np.ndarray) -> ArenaStepPlan:
         version = self.arena.placement_version
         if version == self._sent_version and not self.copies and not self.new:
-            return ArenaStepPlan([], _NO_VIDS, _NO_VIDS, _NO_VIDS, _NO_ZERO)
+            return ArenaStepPlan([], _NO_VIDS, _NO_VIDS, _NO_VIDS, _NO_NEW)
         v2p, kind = self.arena.placement()
         offs = v2p[changed]
         self._sent, self._sent_version = v2p.copy(), version
@@ -201,13 +201,13 @@ class ArenaState:
             self.cache_stats["cached_pages_moved"] += sum(
                 1 for v in changed.tolist()
                 if v not in fresh and v in live and live[v].block_hash is not None)
-        zero = _NO_ZERO
+        ranges = _NO_NEW
         if len(new):
-            zero = np.empty((len(new), 2), np.int64)
-            zero[:, 0] = v2p[new]
-            zero[:, 1] = page_bytes[kind[new]]
+            ranges = np.empty((len(new), 2), np.int64)
+            ranges[:, 0] = v2p[new]
+            ranges[:, 1] = page_bytes[kind[new]]
         plan = ArenaStepPlan(self.copies, changed, offs // self.layout.alignment,
-                             page_bytes[kind[changed]], zero)
+                             page_bytes[kind[changed]], ranges)
         self.copies, self.new = [], []
         return plan
 

@@ -55,6 +55,11 @@ class ArenaLayout(LineLayout):
     max_model_len: int
     stock_requests: int | None = None  # max_model_len requests stock HMA fits (estimate)
     force_moves_every: int = 0
+    # New pages are zeroed before the forward reads them: vLLM's own rule for its pools
+    # (``KVCacheConfig.needs_kv_cache_zeroing``: Mamba state, or KV of mixed precisions, whose
+    # stale bytes could decode to NaN/Inf). Pages of one precision reuse stale bytes as
+    # stock's blocks do.
+    zero_new_pages: bool = True
 
     def manager_cls(self) -> type:
         from .manager import ArenaKVCacheManager
@@ -149,6 +154,16 @@ def group_specs(specs: dict) -> list[tuple[list[str], object]]:
     return groups
 
 
+def needs_zeroing(grouped: list[tuple[list[str], object]]) -> bool:
+    """Whether the arena's new pages must be zeroed: vLLM's rule for its own pools, over the
+    arena's groups (every kind shares the one byte range, as stock's groups share its pool)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec(list(names), spec) for names, spec in grouped]
+    return KVCacheConfig(num_blocks=1, kv_cache_tensors=[],
+                         kv_cache_groups=groups).needs_kv_cache_zeroing
+
+
 def _alignment(page_sizes: list[int], total: int) -> int:
     a = 0
     for p in page_sizes:
@@ -189,7 +204,8 @@ def plan_arena(vllm_config, specs: dict, available_bytes: int,
     max_page = _round_up(max(g.page_bytes for g in out), align)
     total = max(0, (available_bytes - max_page) // align * align)
     layout = ArenaLayout(out, align, total, total + max_page, available_bytes, max_model_len,
-                         force_moves_every=settings.arena_force_moves)
+                         force_moves_every=settings.arena_force_moves,
+                         zero_new_pages=needs_zeroing(grouped))
     layout.stock_requests = stock_hma_requests(vllm_config, grouped, available_bytes)
     need = layout.request_bytes() + layout.null_page_bytes
     if need > total:

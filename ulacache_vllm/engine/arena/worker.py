@@ -3,7 +3,7 @@
 Before a step's forward (the connector's ``handle_preemptions``, the first thing vLLM's
 ``execute_model`` does) the step's :class:`ArenaStepPlan` is applied in order: copy steps
 (every source of a step read before any write), then the v2g updates, then zeroing of newly
-allocated pages. vLLM's block tables keep vids; ``translate`` writes granules into the device
+allocated pages where vLLM would zero them (``ArenaLayout.zero_new_pages``). vLLM's block tables keep vids; ``translate`` writes granules into the device
 side of each table when vLLM commits it (``patches/block_table_translate``), so slot mappings,
 attention block tables and recurrent-state indices are physical while moves rewrite no row.
 
@@ -157,9 +157,9 @@ class ArenaWorker(LineWorker):
                 plan.granules).to(dev, torch.int32)
         if bad is not None:
             self._lose(plan, bad)
-        if len(plan.zero):
-            self._zero(plan.zero)
-        self.counters["zeroed_pages"] += len(plan.zero)
+        if len(plan.new) and self.layout.zero_new_pages:
+            self._zero(plan.new)
+            self.counters["zeroed_pages"] += len(plan.new)
 
     def _gather(self, nbytes: np.ndarray) -> bool:
         """Whole-step index ops (a gather and a scatter, or one fill) rather than a slice copy
@@ -200,10 +200,10 @@ class ArenaWorker(LineWorker):
         return torch.from_numpy(rows).to(self.granules.device)
 
     def _lose(self, plan, bad: BadBytes) -> None:
-        """The plan's placed pages whose final bytes are bad (new pages are zeroed next:
-        they hold nothing yet, so nothing of theirs is lost)."""
+        """The plan's placed pages whose final bytes are bad (new pages hold nothing yet, so
+        nothing of theirs is lost)."""
         offs = plan.granules.astype(np.int64) * self.layout.alignment
-        new = set(plan.zero[:, 0].tolist())
+        new = set(plan.new[:, 0].tolist())
         lost = [v for v, o, n in zip(plan.vids.tolist(), offs.tolist(), plan.sizes.tolist())
                 if o not in new and bad.within(o, o + n)]
         self.lost.update(lost)
