@@ -3,8 +3,9 @@
 The batch is held fixed: the same requests (N random-token prompts of L tokens, M output
 tokens, greedy, ``ignore_eos``), all admitted at once (``max_num_seqs = N``, the step budget
 ``max_num_batched_tokens`` pinned so the whole prefill is one step where the mode allows it).
-Stock and ulacache run in alternating engine processes (A B A B ..., ``--repeats R``) within
-one invocation, each engine in its own subprocess (this script re-invoked with ``--worker``)
+Stock and ulacache run in alternating engine processes (A B A B ..., ``--repeats R``; from
+the second repeat on, the order rotates by one each repeat, so no configuration always runs
+at the same position: ``--fixed-order`` keeps it) within one invocation, each engine in its own subprocess (this script re-invoked with ``--worker``)
 with the engine core in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the script times
 every engine step itself. Scheduler and cache settings are pinned on both sides (never the
 host's defaults): DSA runs vLLM's reference CPU MLA path (``mla_path_kwargs("reference")`` in
@@ -1276,6 +1277,10 @@ def main() -> None:
                     help="also run the baseline a second time in every repeat (config "
                          "BASELINE-aa, never deduplicated or taken as the best stock): the A/A "
                          "control, whose ratio to the baseline is this host's noise floor")
+    ap.add_argument("--fixed-order", action="store_true",
+                    help="run the configurations in the same order in every repeat (default: "
+                         "the first repeat in plan order, then each later repeat rotated by "
+                         "one, so no configuration always runs at the same position)")
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--bind", default="auto", help="TP=1: the CPU each engine is pinned to "
                     "(one OpenMP thread; default auto: the idlest CPU at the run's start); "
@@ -1329,7 +1334,10 @@ def main() -> None:
         spec = None
         skip: set[str] = set()
         for rep in range(repeats):
-            for name, c in plan["configs"].items():
+            order = list(plan["configs"].items())
+            if not args.fixed_order and rep:  # each configuration at every position in turn
+                order = order[rep % len(order):] + order[:rep % len(order)]
+            for name, c in order:
                 if name in skip:
                     continue
                 if c.get("sized") and not c.get("sized_done"):
