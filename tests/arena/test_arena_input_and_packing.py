@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ulacache_vllm.arena import (COMPACT, SHORTFALL, Arena, Band, KindSpec, RowSpec,
                                  state_kind)
@@ -233,3 +235,48 @@ def test_placement_version_names_one_placement():
         step(True)
     a.free("r2")
     step(True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 3),
+                              st.integers(0, 3), st.integers(0, 10 ** 6)),
+                    min_size=1, max_size=60))
+def test_take_places_as_allocates_first_rung(ops):
+    """``take`` (the manager's common path, in lists) puts pages where ``allocate`` does on
+    the same arena, with the same vids, whenever ``allocate`` places them without a move;
+    where it returns None ``allocate`` needed more than the default packing (a move, another
+    packing, or the bytes are missing) and nothing changed. Releases of plain-int lists and
+    of arrays leave the same tables (free extents, bands, vids to recycle)."""
+    kinds = [kind("null", Band.LOW, U), kind("sw", Band.LOW, 2 * U), kind("st", Band.LOW, 3 * U),
+             kind("full", Band.HIGH, 2 * U)]
+    a, b = Arena(40 * U, kinds, alignment=U), Arena(40 * U, kinds, alignment=U)
+    held: list[int] = []
+    for free_some, n1, n2, n3, pick in ops:
+        if free_some and held:  # free a few pages, the same on both
+            drop = [held.pop(pick % len(held)) for _ in range(min(len(held), 1 + pick % 3))]
+            a.release(drop)  # plain ints: the list path
+            b.release(np.asarray(drop, np.int64))  # the array path
+            continue
+        dem = {k: n for k, n in ((1, n1), (2, n2), (3, n3)) if n}
+        if not dem:
+            continue
+        before = layout(a)
+        got = a.take(dem)
+        res = b.allocate(dem)
+        if got is None:
+            assert layout(a) == before
+            res_a = a.allocate(dem)  # the manager's fallback: the whole ladder
+            assert res_a.ok == res.ok
+            if res.ok:
+                for k in dem:
+                    name = kinds[k].name
+                    assert res_a.virtual_page_ids[name].tolist() == \
+                        res.virtual_page_ids[name].tolist()
+                    held.extend(res.virtual_page_ids[name].tolist())
+        else:
+            assert res.ok and not res.copy_plan, "take placed what allocate had to move for"
+            for k in dem:
+                assert got[k] == res.virtual_page_ids[kinds[k].name].tolist()
+                held.extend(got[k])
+        assert layout(a) == layout(b)
+        assert a.v2p(held).tolist() == b.v2p(held).tolist()

@@ -56,6 +56,7 @@ class Arena:
         self._kind_index = {k.name: i for i, k in enumerate(kinds)}
         self._by_band = {band: sorted((i for i, k in enumerate(kinds) if k.band is band),
                                       key=lambda i: -self.page_bytes[i]) for band in Band}
+        self._band_of = [k.band for k in kinds]
         self._space = FreeSpace(self.total_bytes)
         self._ids = VirtualIds()
         self.ledger = Ledger(self._check_live, self._release_bytes, on_pass=self._changed)
@@ -185,8 +186,40 @@ class Arena:
         back through :meth:`release`."""
         return self._ladder(self._demands(demands))
 
+    def take(self, demands: Mapping[int, int]) -> dict[int, list[int]] | None:
+        """:meth:`allocate`'s first rung for a few pages, in lists: ``demands`` maps kind
+        index -> pages (> 0); the pages go where :meth:`allocate` puts them first (the
+        default packing into holes and band ends, no page moved), with the same vids. None:
+        they do not fit so (nothing changed; :meth:`allocate` runs the whole ladder)."""
+        self.ledger.poll()
+        space, page = self._space, self.page_bytes
+        done: list[tuple[int, int]] = []
+        offs: dict[int, list[int]] = {}
+        for band in (Band.LOW, Band.HIGH):
+            for k in self._by_band[band]:
+                n = demands.get(k, 0)
+                if not n:
+                    continue
+                got = bands.place_list(space, band, n, page[k])
+                if got is None:
+                    for start, nbytes in reversed(done):
+                        space.add(start, nbytes)
+                    return None
+                offs[k], taken = got
+                done.extend(taken)
+        self._changed()
+        return {k: self._ids.allocate_list(o, k) for k, o in offs.items()}
+
     def release(self, vids) -> None:
         """Give back pages :meth:`allocate` handed out (bytes withheld while fenced)."""
+        if type(vids) is list:  # (a request's few pages: plain ints, no arrays)
+            if not vids:
+                return
+            got = self._ids.release_list(vids)
+            if got is not None:
+                self._changed()
+                self._free_pages(*got)
+                return
         self._release(as_ids(vids).ravel())
 
     def grow(self, request_id: Hashable, kind, n: int) -> AdmitResult:
@@ -405,10 +438,24 @@ class Arena:
         self._changed()
         kinds = self._ids.kind_of(vids)
         offs = self._ids.release(vids)
-        for off, k in zip(offs.tolist(), kinds.tolist()):
-            size, band = self.page_bytes[k], self.kinds[k].band
-            if not self.ledger.withhold(off, size, band):
-                self._space.add(off, size)
+        self._free_pages(offs.tolist(), kinds.tolist())
+
+    def _free_pages(self, offs: list[int], kinds: list[int]) -> None:
+        """Released pages' bytes back to the free space, or withheld while fenced."""
+        page, band_of, withhold = self.page_bytes, self._band_of, self.ledger.withhold
+        free = sorted((off, page[k]) for off, k in zip(offs, kinds)
+                      if not withhold(off, page[k], band_of[k]))
+        # Adjacent pages (a request's pages mostly are) go back as one extent.
+        start, end = None, None
+        for off, size in free:
+            if off == end:
+                end += size
+                continue
+            if start is not None:
+                self._space.add(start, end - start)
+            start, end = off, off + size
+        if start is not None:
+            self._space.add(start, end - start)
 
     def _release_bytes(self, offset: int, nbytes: int, band) -> None:
         self._space.add(offset, nbytes)

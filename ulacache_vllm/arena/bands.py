@@ -58,6 +58,39 @@ def place(free: FreeSpace, band: Band, n: int, size: int, best_fit: bool = False
     return None
 
 
+def place_list(free: FreeSpace, band: Band, n: int, size: int,
+               ) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """:func:`place` (not best-fit) in lists, for a few pages: (offsets, removed extents) or
+    None, leaving ``free`` untouched."""
+    taken: list[tuple[int, int]] = []
+    out: list[int] = []
+    left = n
+    low = band is Band.LOW
+    for h in (*free.holes(band), None):  # None: the middle, at the band end
+        if h is None:
+            k = min(left, free.middle // size)
+            if k == 0:
+                continue
+            start = free.low_top if low else free.high_bottom - k * size
+        else:
+            a, b = h
+            k = min(left, (b - a) // size)
+            if k == 0:
+                continue
+            start = a if low else b - k * size
+        free.remove(start, k * size, band)
+        taken.append((start, k * size))
+        # Pages nearest the base first, as ``place``.
+        out.extend(range(start, start + k * size, size) if low
+                   else range(start + (k - 1) * size, start - 1, -size))
+        left -= k
+        if left == 0:
+            return out, taken
+    for start, nbytes in reversed(taken):
+        free.add(start, nbytes)
+    return None
+
+
 def plan_fill_holes(holes: list[tuple[int, int]], offs: np.ndarray, size: int):
     """Compaction of one kind (band coordinates): move the pages farthest from the base into
     the holes nearest to it, never outward. Destinations are free bytes only, so the moves

@@ -58,6 +58,21 @@ class VirtualIds:
             self._p2v[p] = v
         return vids
 
+    def allocate_list(self, offsets: list[int], kind: int) -> list[int]:
+        """:meth:`allocate` for a few pages, in lists (the same vids)."""
+        n = len(offsets)
+        if n > len(self._free):
+            self._grow(n - len(self._free))
+        self.version += 1
+        free, v2p, kinds, p2v = self._free, self._v2p, self._kind, self._p2v
+        vids = free[len(free) - n:][::-1]
+        del free[len(free) - n:]
+        for v, p in zip(vids, offsets):
+            v2p[v] = p
+            kinds[v] = kind
+            p2v[p] = v
+        return vids
+
     def release(self, vids: np.ndarray) -> np.ndarray:
         offs = self.v2p(vids)
         self.version += 1
@@ -67,6 +82,31 @@ class VirtualIds:
         self._kind[vids] = -1
         self._free.extend(np.asarray(vids).tolist()[::-1])
         return offs
+
+    def release_list(self, vids: list[int]) -> tuple[list[int], list[int]] | None:
+        """:meth:`release` for a few plain-int vids, in lists: (offsets, kinds); None (nothing
+        changed) if one is not a plain int (:meth:`release` checks those)."""
+        v2p, kinds, n = self._v2p, self._kind, len(self._v2p)
+        offs, ks = [], []
+        for v in vids:
+            if type(v) is not int:
+                return None
+            if not 0 <= v < n:
+                raise KeyError("virtual page id out of range")
+            p = int(v2p[v])
+            if p == UNMAPPED:
+                raise KeyError(f"unmapped virtual page ids {[v]}")
+            offs.append(p)
+            ks.append(int(kinds[v]))
+        self.version += 1
+        p2v = self._p2v
+        for p in offs:
+            del p2v[p]
+        for v in vids:
+            v2p[v] = UNMAPPED
+            kinds[v] = -1
+        self._free.extend(vids[::-1])
+        return offs, ks
 
     def move(self, vids: np.ndarray, new_offsets: np.ndarray) -> None:
         old = self.v2p(vids)

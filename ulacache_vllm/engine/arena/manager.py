@@ -204,6 +204,13 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             return False
         page = self.arena.page_bytes
         need = sum(n * page[k] for k, n in demands.items()) + watermark
+        if need <= self.arena.free_bytes:  # the common case: the ladder's first rung, lists
+            placed = self.arena.take(demands)
+            if placed is not None:
+                for k, vids in placed.items():
+                    st.staged[k] = vids
+                    st.new.extend(vids)
+                return True
         reclaimable = st.cached_free_bytes() - hit_bytes  # (window frees may add pages)
         if need > self.arena.free_bytes + reclaimable:
             return False

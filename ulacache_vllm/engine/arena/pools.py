@@ -113,7 +113,7 @@ class ArenaState:
         if self.releasing is not None:  # one request's groups: one arena release at the end
             self.releasing.extend(vids)
             return
-        self.arena.release(np.asarray(vids, np.int64))
+        self.arena.release(list(vids))
         self.dirty = True
 
     @contextlib.contextmanager
@@ -125,7 +125,7 @@ class ArenaState:
         finally:
             vids, self.releasing = self.releasing, None
             if vids:
-                self.arena.release(np.asarray(vids, np.int64))
+                self.arena.release(vids)
                 self.dirty = True
 
     def cached_free_bytes(self) -> int:
