@@ -13,6 +13,7 @@ from . import (
     engine_startup_error,
     hybrid_block_size,
     kv_cache_sizing,
+    kv_layer_hooks,
     llm_kwargs,
     mamba_align_translate,
     rotary_cpu,
@@ -20,7 +21,8 @@ from . import (
 
 ALL = (engine_args, cli_args, llm_kwargs, engine_config, engine_startup_error, rotary_cpu,
        cpu_sparse_attention, cpu_mla_path, kv_cache_sizing, hybrid_block_size,
-       block_table_translate, mamba_align_translate, cuda_sparse_backend, block_hasher)
+       block_table_translate, mamba_align_translate, cuda_sparse_backend, block_hasher,
+       kv_layer_hooks)
 
 
 def apply_all() -> None:

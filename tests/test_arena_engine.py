@@ -46,6 +46,11 @@ res = {"prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_c
 import os
 if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":  # the engine core is here
     res["hashes_blocks"] = llm.llm_engine.engine_core.engine_core.request_block_hasher is not None
+    # (a transfer group, which the attention layers' per-layer hooks see only for stock's
+    # connectors: `patches/kv_layer_hooks`)
+    import vllm.model_executor.layers.attention.kv_transfer_utils as ktu
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
+    res["layer_hooks"] = [has_kv_transfer_group(), ktu.has_kv_transfer_group()]
 
 def usage():
     if ARGS["backend"] != "ulacache":
@@ -201,6 +206,9 @@ def test_qwen3_next_same_schedule_parity_with_forced_moves(qwen3_next):
     check_aborts(ula, ref)
     _check_prefix_caching_off(ula)
     assert "hashes_blocks" in ula  # (an in-process core: the check above looked at it)
+    # ulacache's connector is the transfer group, yet the attention layers ran no per-layer
+    # connector hook; stock has no transfer group at all.
+    assert ula["layer_hooks"] == [True, False] and ref["layer_hooks"] == [False, False]
     m = ula["metrics"]
     assert m["vllm:num_preemptions"] == 0 == ref["metrics"]["vllm:num_preemptions"]
     # The moves really ran, with real copies, and the tokens did not change.

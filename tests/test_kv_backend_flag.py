@@ -430,3 +430,33 @@ def test_tp_shard_mode_refuses_what_it_does_not_support_yet():
             check_tp_mode(bad, shard)
         assert "--ula-tp-mode replicate" in str(e.value)
         check_tp_mode(bad, rep)  # replicate runs them as before
+
+
+def test_layer_hooks_are_skipped_for_ulacache_connector_only(monkeypatch):
+    """The attention layers' per-layer connector hooks (`maybe_transfer_kv_layer`) see a
+    transfer group for every connector but ulacache's (`patches/kv_layer_hooks`), and the
+    patch fails loudly when the wrapper no longer reads the name per call."""
+    import vllm.distributed.kv_transfer.kv_transfer_state as state
+    import vllm.model_executor.layers.attention.kv_transfer_utils as ktu
+
+    from ulacache_vllm.engine.connector import UlaCacheConnector
+    from ulacache_vllm.patches import kv_layer_hooks
+    from ulacache_vllm.patches._hook import VllmHookError
+
+    kv_layer_hooks.apply()
+    monkeypatch.setattr(state, "_KV_CONNECTOR_AGENT", None)
+    assert not ktu.has_kv_transfer_group()
+    monkeypatch.setattr(state, "_KV_CONNECTOR_AGENT", object.__new__(UlaCacheConnector))
+    assert not ktu.has_kv_transfer_group()
+    monkeypatch.setattr(state, "_KV_CONNECTOR_AGENT", object())  # any other connector
+    assert ktu.has_kv_transfer_group()
+
+    def moved(func):
+        def wrapper(*a, **k):
+            return func(*a, **k)
+        return wrapper
+
+    monkeypatch.setattr(ktu, "maybe_transfer_kv_layer", moved)
+    monkeypatch.setattr(ktu, "has_kv_transfer_group", state.has_kv_transfer_group)
+    with pytest.raises(VllmHookError, match="kv_layer_hooks"):
+        kv_layer_hooks.apply()

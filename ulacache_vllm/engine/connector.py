@@ -3,7 +3,7 @@
 A vLLM KV connector (the mechanism vLLM's HiSparse uses). Each step the scheduler's KV cache
 manager hands it the step's payload (`LineManager.take_step`: the DSA line's freed logical
 blocks, the arena's step plan), which reaches every worker before the forward pass
-(`has_sync_kv_loads`). The worker side holds the product line's `LineWorker`, built from the
+(`has_sync_kv_loads`); nothing moves per layer or when a request finishes. The worker side holds the product line's `LineWorker`, built from the
 layout the KV cache config carries, and calls its hooks at vLLM's points: `before_step` in
 `handle_preemptions` (before vLLM commits the step's block tables), `begin_step` in
 `start_load_kv`, lost blocks in `get_block_ids_with_load_errors`, counters as connector
@@ -37,6 +37,11 @@ class UlaConnectorMetadata(KVConnectorMetadata):
 
 
 class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
+    # Nothing moves per layer or per finished request: the attention layers skip vLLM's
+    # per-layer connector hooks (`patches/kv_layer_hooks`), the scheduler its per-request
+    # finish hook (`scheduler._UlaSchedulerMixin._connector_finished`).
+    NO_LAYER_HOOKS = True
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         self._settings = settings_from_additional_config(vllm_config.additional_config)

@@ -5,7 +5,8 @@ the product line's layout names (`line.LineLayout.manager_cls`: the logical addr
 `UlaKVCacheManager` for DSA models, the arena's `ArenaKVCacheManager` for hybrid models).
 Everything else (admission order, preemption, connectors) is vLLM's. Two hooks of the line
 run here: which requests a failed copy's lost blocks end (`lost_block_owners`), and the close
-of a step once its output is processed (`step_processed`).
+of a step once its output is processed (`step_processed`); a finished request skips vLLM's
+connector hook (ulacache's connector takes nothing from it).
 """
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from ulacache_vllm.patches.scheduler_manager import use_manager
 
+from .connector import UlaCacheConnector
 from .line import layout_of
 
-# vLLM's hook for connector-reported lost blocks (a line may map them to requests itself).
-if not callable(getattr(Scheduler, "_handle_invalid_blocks", None)):
-    raise ImportError("ulacache: vLLM's Scheduler._handle_invalid_blocks moved (this vLLM is "
-                      "not the 0.32 the arena's failure path was built for)")
+# vLLM's hooks for connector-reported lost blocks (a line may map them to requests itself)
+# and for a finished request's connector work.
+for _hook in ("_handle_invalid_blocks", "_connector_finished"):
+    if not callable(getattr(Scheduler, _hook, None)):
+        raise ImportError(f"ulacache: vLLM's Scheduler.{_hook} moved (this vLLM is not the "
+                          "0.32 ulacache's scheduler was built for)")
 
 
 class _UlaSchedulerMixin:
@@ -35,6 +39,13 @@ class _UlaSchedulerMixin:
             invalid_block_ids, self.running,
             lambda: super(_UlaSchedulerMixin, self)._handle_invalid_blocks(
                 invalid_block_ids, num_scheduled_tokens))
+
+    def _connector_finished(self, request):
+        # ulacache's connector takes nothing from a finished request (the KV cache manager
+        # frees its pages next): vLLM's per-request block-id lists for it are not built.
+        if type(self.connector) is UlaCacheConnector:
+            return False, None
+        return super()._connector_finished(request)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         out = super().update_from_output(scheduler_output, model_runner_output)
