@@ -147,7 +147,8 @@ def main() -> None:
         if not name.endswith("events"):
             print(f"  {name:6s}", "  ".join(f"{k} {v:6.1f}" for k, v in d.items()))
     print(f"page events, us per round, median over {args.rounds} rounds (stock: allocation "
-          f"alone; the arena: allocation, take_step, apply with zeroing, translate, stats):")
+          f"alone; the arena: allocation, take_step, apply (zeroing only where vLLM zeroes), "
+          f"translate, stats):")
     for name in ("stock", "arena"):
         d = out[name + " events"]
         print(f"  {name:6s}", "  ".join(f"{k} {v:7.1f}" for k, v in d.items()))
