@@ -24,50 +24,28 @@ def place(free: FreeSpace, band: Band, n: int, size: int, best_fit: bool = False
     """Take ``n`` pages of ``size`` bytes for ``band``: holes nearest the base first, then the
     band end; with ``best_fit``, the smallest of the holes and the middle that holds pages
     first. Returns (offset arrays, removed extents) or None, leaving ``free`` untouched."""
+    got = place_list(free, band, n, size, best_fit)
+    if got is None:
+        return None
+    offs, taken = got
+    return ([np.asarray(offs, dtype=np.int64)] if offs else []), taken
+
+
+def place_list(free: FreeSpace, band: Band, n: int, size: int, best_fit: bool = False,
+               ) -> tuple[list[int], list[tuple[int, int]]] | None:
+    """:func:`place` in lists (a few pages: no arrays): (offsets, removed extents) or None,
+    leaving ``free`` untouched."""
     if n == 0:
         return [], []
     taken: list[tuple[int, int]] = []
-    out: list[np.ndarray] = []
+    out: list[int] = []
     left = n
+    low = band is Band.LOW
     holes: list = [*free.holes(band), None]  # None: the middle, at the band end
     if best_fit:
         holes.sort(key=lambda h: free.middle if h is None else h[1] - h[0])
     for h in holes:
         if h is None:  # the band end: pages extend the band into the middle
-            k = min(left, free.middle // size)
-            if k == 0:
-                continue
-            start = free.low_top if band is Band.LOW else free.high_bottom - k * size
-            a, b = start, start + k * size
-        else:
-            a, b = h
-            k = min(left, (b - a) // size)
-            if k == 0:
-                continue
-            start = a if band is Band.LOW else b - k * size
-        free.remove(start, k * size, band)
-        taken.append((start, k * size))
-        # Pages nearest the base come first so a band's pages stay ordered by distance from it.
-        out.append(start + size * np.arange(k, dtype=np.int64) if band is Band.LOW
-                   else start + k * size - size * np.arange(1, k + 1, dtype=np.int64))
-        left -= k
-        if left == 0:
-            return out, taken
-    for start, nbytes in reversed(taken):
-        free.add(start, nbytes)
-    return None
-
-
-def place_list(free: FreeSpace, band: Band, n: int, size: int,
-               ) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """:func:`place` (not best-fit) in lists, for a few pages: (offsets, removed extents) or
-    None, leaving ``free`` untouched."""
-    taken: list[tuple[int, int]] = []
-    out: list[int] = []
-    left = n
-    low = band is Band.LOW
-    for h in (*free.holes(band), None):  # None: the middle, at the band end
-        if h is None:
             k = min(left, free.middle // size)
             if k == 0:
                 continue
@@ -80,7 +58,7 @@ def place_list(free: FreeSpace, band: Band, n: int, size: int,
             start = a if low else b - k * size
         free.remove(start, k * size, band)
         taken.append((start, k * size))
-        # Pages nearest the base first, as ``place``.
+        # Pages nearest the base come first so a band's pages stay ordered by distance from it.
         out.extend(range(start, start + k * size, size) if low
                    else range(start + (k - 1) * size, start - 1, -size))
         left -= k
