@@ -111,6 +111,38 @@ def test_sliding_window_pages_go_back_to_the_arena_while_decoding():
     assert mgr.stats()["arena_used_by_kind"]["full"] == 9 * PAGE
 
 
+def test_every_page_a_step_places_is_fenced_by_that_step():
+    """Each step's plan ships every page the step placed, and its fence covers them, also a
+    window page freed and placed again under its old vid at its old offset (the table diff
+    alone cannot see it) and pages placed in a step that also moved pages."""
+    mgr = _manager(total_pages=64)
+    eng = Engine(mgr)
+    take, unfenced, reused = mgr.take_step, [], []
+
+    def take_step():
+        before = {v: int(o) for v, o in zip(*mgr.arena.live_pages()[:2])}
+        plan = take()
+        for off in plan.new[:, 0].tolist():
+            vid = int(mgr.arena.p2v([off])[0])
+            if before.get(vid) == off:
+                reused.append(vid)
+            if not mgr.arena.ledger.busy(off) or vid not in plan.vids.tolist():
+                unfenced.append((mgr.step_seq, vid, off))
+        return plan
+
+    mgr.take_step = take_step
+    a, b = _request("a", 3 * BS), _request("b", 5 * BS)
+    eng.step({a: a.num_tokens, b: b.num_tokens})
+    for step in range(4 * BS):
+        if step % 7 == 3:
+            mgr._state.record_moves(mgr.arena.compact())  # a step that also moves pages
+        for r in (a, b):
+            r.append_output_token_ids(7)
+        eng.step({a: 1, b: 1})
+    assert reused, "no window page came back under its old vid and offset"
+    assert not unfenced, unfenced[:8]
+
+
 @pytest.fixture(params=["gather", "slices"])
 def executor(request, monkeypatch):
     """The worker's two CPU executors of a step: whole-step index ops, or a slice per range."""

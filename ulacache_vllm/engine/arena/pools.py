@@ -171,16 +171,22 @@ class ArenaState:
         return sum(len(v) for v in self.staged.values())
 
     def changed_vids(self) -> np.ndarray:
-        """Live vids whose placement changed since the last plan (allocated or moved): one
-        vectorised comparison of the v2p table against the one the worker has (none while
-        the arena's placement version is the one that table was taken at)."""
+        """Live vids placed since the last plan (allocated, even where a freed vid came back
+        at its old offset: new bytes for this step's fence) or moved (one vectorised
+        comparison of the v2p table against the one the worker has; without a copy since the
+        last plan nothing moved and the new vids are all). None while the arena's placement
+        version is the one that table was taken at."""
         if self.arena.placement_version == self._sent_version:
             return _NO_VIDS
         v2p, _ = self.arena.placement()
+        new = sorted({v for v in self.new if v2p[v] >= 0})
+        if not self.copies:
+            return np.array(new, np.int64) if new else _NO_VIDS
         if len(self._sent) < len(v2p):
             self._sent = np.concatenate([self._sent, np.full(len(v2p) - len(self._sent), -1)])
         changed = np.flatnonzero(v2p != self._sent[:len(v2p)])
-        return changed[v2p[changed] >= 0]
+        changed = changed[v2p[changed] >= 0]
+        return np.union1d(changed, np.array(new, np.int64)) if new else changed
 
     def take_plan(self, changed: np.ndarray) -> ArenaStepPlan:
         version = self.arena.placement_version
