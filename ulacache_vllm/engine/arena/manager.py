@@ -10,9 +10,10 @@ rewrites no block table: the worker translates vids to granules before every for
   all-or-nothing across kinds), stages the vids and lets vLLM's managers take them. The
   admission gate of a new request is in bytes: the capped full-sequence demand of every kind
   must fit the arena's free bytes.
-- Every change of placement (allocations, moves, the copy plan, pages to zero) is collected
-  into the step's :class:`ArenaStepPlan`, shipped to the worker by the connector and applied
-  before that step's forward.
+- Every change of placement (allocations, moves, the copy plan, the new pages, zeroed where
+  vLLM zeroes its own: ``ArenaLayout.zero_new_pages``) is collected into the step's
+  :class:`ArenaStepPlan`, shipped to the worker by the connector and applied before that
+  step's forward.
 - One ledger fence per engine step that allocates or moves pages: they are registered with
   it; it passes when the scheduler has processed that step's output. Withheld bytes make the
   scheduler wait (``has_pending_block_frees``) instead of preempting.
@@ -24,7 +25,7 @@ rewrites no block table: the worker translates vids to granules before every for
 Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
 - One persistent ``KVCacheBlock`` per live vid; hashed pages are shared read-only by every
   request that hits them. A hashed page whose last holder frees it stays live, *free but
-  cached*, in its pool's LRU: it keeps its vid and bytes (never zeroed: only new vids are),
+  cached*, in its pool's LRU: it keeps its vid and bytes (never zeroed: only new vids can be),
   counts as free in usage and as reclaimable in the byte admission gate; a hit takes it back.
 - Eviction is the arena's reclaim, and the only way a cached page's bytes go back: when a
   step's new pages need more than the free bytes, the coldest free-but-cached pages (every
@@ -252,7 +253,7 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         return copies
 
     def take_new_block_ids(self) -> list[int]:
-        super().take_new_block_ids()  # drained: the step plan zeroes every new page itself
+        super().take_new_block_ids()  # drained: the step plan zeroes new pages itself
         return []
 
     @property
