@@ -3,11 +3,12 @@
 A vLLM KV connector (the mechanism vLLM's HiSparse uses). Each step the scheduler's KV cache
 manager hands it the step's payload (`LineManager.take_step`: the DSA line's freed logical
 blocks, the arena's step plan), which reaches every worker before the forward pass
-(`has_sync_kv_loads`); nothing moves per layer or when a request finishes. The worker side holds the product line's `LineWorker`, built from the
-layout the KV cache config carries, and calls its hooks at vLLM's points: `before_step` in
-`handle_preemptions` (before vLLM commits the step's block tables), `begin_step` in
-`start_load_kv`, lost blocks in `get_block_ids_with_load_errors`, counters as connector
-stats. It loads nothing from outside: every request's KV is computed locally.
+(`has_sync_kv_loads`); nothing moves per layer or when a request finishes. The worker side
+holds the product line's `LineWorker`, built from the layout the KV cache config carries, and
+calls its hooks at vLLM's points: `before_step` in `handle_preemptions` (before vLLM commits
+the step's block tables), `begin_step` in `start_load_kv`, lost blocks in
+`get_block_ids_with_load_errors`, counters as connector stats. It loads nothing from
+outside: every request's KV is computed locally.
 """
 from __future__ import annotations
 

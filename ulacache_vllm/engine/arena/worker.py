@@ -3,9 +3,10 @@
 Before a step's forward (the connector's ``handle_preemptions``, the first thing vLLM's
 ``execute_model`` does) the step's :class:`ArenaStepPlan` is applied in order: copy steps
 (every source of a step read before any write), then the v2g updates, then zeroing of newly
-allocated pages where vLLM would zero them (``ArenaLayout.zero_new_pages``). vLLM's block tables keep vids; ``translate`` writes granules into the device
-side of each table when vLLM commits it (``patches/block_table_translate``), so slot mappings,
-attention block tables and recurrent-state indices are physical while moves rewrite no row.
+allocated pages where vLLM would zero them (``ArenaLayout.zero_new_pages``). vLLM's block
+tables keep vids; ``translate`` writes granules into the device side of each table when vLLM
+commits it (``patches/block_table_translate``), so slot mappings, attention block tables and
+recurrent-state indices are physical while moves rewrite no row.
 
 A copy step that fails (an exception from the copy; `move_faults` injects them in tests) never
 lets a request read bytes that were not moved, nor ends the engine: the step's destinations
