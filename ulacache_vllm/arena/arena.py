@@ -192,23 +192,11 @@ class Arena:
         default packing into holes and band ends, no page moved), with the same vids. None:
         they do not fit so (nothing changed; :meth:`allocate` runs the whole ladder)."""
         self.ledger.poll()
-        space, page = self._space, self.page_bytes
-        done: list[tuple[int, int]] = []
-        offs: dict[int, list[int]] = {}
-        for band in (Band.LOW, Band.HIGH):
-            for k in self._by_band[band]:
-                n = demands.get(k, 0)
-                if not n:
-                    continue
-                got = bands.place_list(space, band, n, page[k])
-                if got is None:
-                    for start, nbytes in reversed(done):
-                        space.add(start, nbytes)
-                    return None
-                offs[k], taken = got
-                done.extend(taken)
+        placed, _ = self._place_with(demands, *_PACKINGS[0])
+        if placed is None:
+            return None
         self._changed()
-        return {k: self._ids.allocate_list(o, k) for k, o in offs.items()}
+        return {k: self._ids.allocate(offs, k) for k, offs in placed.items()}
 
     def release(self, vids) -> None:
         """Give back pages :meth:`allocate` handed out (bytes withheld while fenced)."""
@@ -330,7 +318,7 @@ class Arena:
             dem[self.kind_index(k)] = dem.get(self.kind_index(k), 0) + n
         return dem
 
-    def _try_place(self, demands: dict[int, int]) -> tuple[dict[int, np.ndarray] | None, int]:
+    def _try_place(self, demands: dict[int, int]) -> tuple[dict[int, list[int]] | None, int]:
         """Place every demanded page without moving any, all or nothing: the first of a few
         greedy packings that fits (packing pages of several sizes into holes is bin packing;
         one greedy order misses fits another finds). Returns (offsets per kind, 0) or (None,
@@ -346,7 +334,7 @@ class Arena:
 
     def _place_with(self, demands: dict[int, int], largest_first: bool, best_fit: bool):
         done: list[tuple[int, int, Band]] = []
-        placed: dict[int, np.ndarray] = {}
+        placed: dict[int, list[int]] = {}
         for band in (Band.LOW, Band.HIGH):
             kinds = self._band_kinds(band)
             for k in (kinds if largest_first else kinds[::-1]):
@@ -360,9 +348,8 @@ class Arena:
                     unplaced = sum(demands[j] * self.page_bytes[j] for j in demands
                                    if j not in placed)
                     return None, unplaced
-                offs, taken = got
+                placed[k], taken = got
                 done.extend((s, nb, band) for s, nb in taken)
-                placed[k] = np.concatenate(offs)
         return placed, 0
 
     def _snapshot(self):
@@ -385,12 +372,13 @@ class Arena:
             self.stats["shortfalls"] += 1
             return AdmitResult(False, {}, plan, shortfall, step)
         self._changed()
-        vids = {self.kinds[k].name: self._ids.allocate(offs, k) for k, offs in placed.items()}
+        vids = {self.kinds[k].name: np.asarray(self._ids.allocate(offs, k), np.int64)
+                for k, offs in placed.items()}
         for k, n in dem.items():
             vids.setdefault(self.kinds[k].name, np.zeros(0, np.int64))
         return AdmitResult(True, vids, plan, 0, step)
 
-    def _run_ladder(self, demands: dict[int, int]) -> tuple[dict[int, np.ndarray] | None, CopyPlan, str, int]:
+    def _run_ladder(self, demands: dict[int, int]) -> tuple[dict[int, list[int]] | None, CopyPlan, str, int]:
         """Place ``demands`` (kind index -> pages). Returns (physical offsets per kind or None,
         copy plan, step, shortfall bytes)."""
         self.ledger.poll()

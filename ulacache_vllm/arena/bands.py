@@ -20,20 +20,10 @@ def to_band(band: Band, total: int, offsets, sizes):
 
 
 def place(free: FreeSpace, band: Band, n: int, size: int, best_fit: bool = False,
-          ) -> tuple[list[np.ndarray], list[tuple[int, int]]] | None:
+          ) -> tuple[list[int], list[tuple[int, int]]] | None:
     """Take ``n`` pages of ``size`` bytes for ``band``: holes nearest the base first, then the
     band end; with ``best_fit``, the smallest of the holes and the middle that holds pages
-    first. Returns (offset arrays, removed extents) or None, leaving ``free`` untouched."""
-    got = place_list(free, band, n, size, best_fit)
-    if got is None:
-        return None
-    offs, taken = got
-    return ([np.asarray(offs, dtype=np.int64)] if offs else []), taken
-
-
-def place_list(free: FreeSpace, band: Band, n: int, size: int, best_fit: bool = False,
-               ) -> tuple[list[int], list[tuple[int, int]]] | None:
-    """:func:`place` in lists (a few pages: no arrays): (offsets, removed extents) or None,
+    first. Returns (offsets, removed extents), in lists (a step places a few pages), or None,
     leaving ``free`` untouched."""
     if n == 0:
         return [], []

@@ -45,21 +45,8 @@ class VirtualIds:
         self._kind = np.concatenate([self._kind, np.full(new - old, -1, np.int32)])
         self._free[:0] = range(new - 1, old - 1, -1)
 
-    def allocate(self, offsets: np.ndarray, kind: int) -> np.ndarray:
-        n = len(offsets)
-        if n > len(self._free):
-            self._grow(n - len(self._free))
-        self.version += 1
-        vids = np.array(self._free[len(self._free) - n:][::-1], dtype=np.int64)
-        del self._free[len(self._free) - n:]
-        self._v2p[vids] = offsets
-        self._kind[vids] = kind
-        for v, p in zip(vids.tolist(), np.asarray(offsets).tolist()):
-            self._p2v[p] = v
-        return vids
-
-    def allocate_list(self, offsets: list[int], kind: int) -> list[int]:
-        """:meth:`allocate` for a few pages, in lists (the same vids)."""
+    def allocate(self, offsets: list[int], kind: int) -> list[int]:
+        """Vids for pages of ``kind`` at byte ``offsets`` (recycled ids first)."""
         n = len(offsets)
         if n > len(self._free):
             self._grow(n - len(self._free))
