@@ -1,0 +1,99 @@
+"""The CPU indexer's top-k, before and after shape-independent scores, side by side.
+
+Times `cpu_indexer.select_topk` (exact float64 scores on the indexer's fp8-grid inputs,
+`engine/dsa/indexer_scores.py`) against the float32 BLAS product it replaced
+(`lab/indexer_fp32_blas.py`) on the same inputs, interleaved repeat by repeat, in one process.
+Shapes: decode (a few queries over long histories) and prefill chunks, at DeepSeek-V3.2's
+indexer (64 heads of 128) and the tiny test models' (8 heads). Prints median ms and the
+ratio per shape (median over repeats of after/before); writes JSON and Markdown to
+``benchmarks/results/indexer_scores.{json,md}``.
+
+    python benchmarks/indexer_scores.py [--repeats 7] [--quick]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _host import cpu_host  # noqa: E402
+from lab.indexer_fp32_blas import select_topk_fp32_blas  # noqa: E402
+
+from ulacache_vllm.engine.dsa.cpu_indexer import quant_fp8_ue8m0, select_topk  # noqa: E402
+
+SHAPES = [  # (label, queries, heads, keys, topk)
+    ("decode b1 L2k H64", 1, 64, 2048, 2048),
+    ("decode b1 L16k H64", 1, 64, 16384, 2048),
+    ("decode b4 L8k H64", 4, 64, 8192, 2048),
+    ("decode b4 L4k H8", 4, 8, 4096, 16),
+    ("prefill 256 L2k H64", 256, 64, 2048, 2048),
+    ("prefill 512 L4k H8", 512, 8, 4096, 16),
+]
+
+
+def inputs(n, H, L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(n, H, 128, generator=g) * 8).to(torch.float8_e4m3fn).float()
+    v, s = quant_fp8_ue8m0(torch.randn(L, 128, generator=g))
+    return q, torch.randn(n, H, generator=g), v.float() * s.float(), torch.arange(L - n, L)
+
+
+def _time(fn, *args):
+    t = time.perf_counter()
+    fn(*args)
+    return (time.perf_counter() - t) * 1e3
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="first four shapes, 3 repeats")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "indexer_scores"))
+    a = ap.parse_args(argv)
+    shapes = SHAPES[:4] if a.quick else SHAPES
+    repeats = 3 if a.quick else a.repeats
+    rows = []
+    for label, n, H, L, k in shapes:
+        args = (*inputs(n, H, L), k)
+        select_topk(*args), select_topk_fp32_blas(*args)  # warm-up
+        before, after = [], []
+        for r in range(repeats):
+            pair = [(before, select_topk_fp32_blas), (after, select_topk)]
+            for out, fn in (pair if r % 2 == 0 else pair[::-1]):
+                out.append(_time(fn, *args))
+        ratio = statistics.median(x / y for x, y in zip(after, before))
+        rows.append({"shape": label, "queries": n, "heads": H, "keys": L, "topk": k,
+                     "before_ms": before, "after_ms": after, "ratio_median": ratio,
+                     "ratio_min": min(x / y for x, y in zip(after, before)),
+                     "ratio_max": max(x / y for x, y in zip(after, before))})
+        print(f"{label:24s} before {statistics.median(before):8.2f} ms  after "
+              f"{statistics.median(after):8.2f} ms  after/before {ratio:.3f} "
+              f"[{rows[-1]['ratio_min']:.3f}, {rows[-1]['ratio_max']:.3f}]", flush=True)
+    res = {"host": cpu_host(), "threads": torch.get_num_threads(), "repeats": repeats,
+           "rows": rows}
+    with open(a.out + ".json", "w") as f:
+        json.dump(res, f, indent=1)
+    with open(a.out + ".md", "w") as f:
+        f.write(f"# Indexer top-k: exact float64 scores vs the float32 BLAS product\n\n"
+                f"`benchmarks/indexer_scores.py`, one process, {repeats} interleaved repeats, "
+                f"{torch.get_num_threads()} threads; host: {res['host']['cpu']} "
+                f"(amx_tile={res['host']['amx_tile']}).\n\n"
+                "| shape | before ms (median) | after ms (median) | after/before median [min, max] |\n"
+                "|---|---|---|---|\n")
+        for r in rows:
+            f.write(f"| {r['shape']} | {statistics.median(r['before_ms']):.2f} | "
+                    f"{statistics.median(r['after_ms']):.2f} | {r['ratio_median']:.3f} "
+                    f"[{r['ratio_min']:.3f}, {r['ratio_max']:.3f}] |\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The indexer's scores give a key the same bits however many keys are scored beside it.
+
+TP shard mode's promise (stock TP=P and ulacache TP=P select the same rows) rests on it. A
+BLAS product does not keep it (kernels and blocking chosen by shape and CPU), so
+`indexer_scores` computes exactly on the indexer's fp8-grid inputs and in a fixed order on any
+other input; both are checked here over random shapes, keys 1 to a few thousand, heads 1-64.
+"""
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ulacache_vllm.engine.dsa.cpu_indexer import quant_fp8_ue8m0, select_topk
+from ulacache_vllm.engine.dsa.indexer_scores import (
+    exact_scores,
+    fixed_order_scores,
+    on_fp8_grid,
+    scores,
+)
+from ulacache_vllm.engine.dsa.topk import merge_candidates
+
+D = 128
+
+
+def _fp8_inputs(g, n, H, L, spread):
+    """Queries as the indexer feeds them (fp8 values), keys fp8 times a per-key power of two
+    (quantized like `write_keys`), key magnitudes spread over 2**spread."""
+    q = (torch.randn(n, H, D, generator=g) * 8).to(torch.float8_e4m3fn).float()
+    raw = torch.randn(L, D, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (L, 1),
+                                                                    generator=g).float())
+    v, s = quant_fp8_ue8m0(raw)
+    return q, v.float() * s.float().repeat_interleave(D // s.shape[-1], -1)
+
+
+def _bits(x):
+    return x.contiguous().view(torch.int32)
+
+
+def _check_subsets(q, keys, g):
+    """Each key's score alone, among a random subset, among a strided share: the same bits."""
+    whole = scores(q, keys)
+    L = keys.shape[0]
+    for idx in (torch.arange(L)[torch.randperm(L, generator=g)[: max(1, L // 3)]].sort().values,
+                torch.arange(L % 3, L, 3), torch.tensor([L - 1])):
+        if idx.numel():
+            part = scores(q, keys[idx])
+            assert torch.equal(_bits(part), _bits(whole[:, :, idx])), idx.tolist()[:8]
+    return whole
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 6), H=st.integers(1, 64), L=st.integers(1, 3000),
+       spread=st.integers(0, 12), seed=st.integers(0, 2**31 - 1))
+def test_fp8_grid_scores_are_exact_and_bitwise_whatever_the_keys_beside(n, H, L, spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, keys = _fp8_inputs(g, n, H, L, spread)
+    assert on_fp8_grid(q) and on_fp8_grid(keys)
+    whole = _check_subsets(q, keys, g)
+    # Exact: the float64 product rounded once; the float64 sum of 36-bit products is exact.
+    i = torch.randint(0, L, (4,), generator=g)
+    ref = (q.double().unsqueeze(2) * keys[i].double()).sum(-1).float()
+    assert torch.equal(_bits(whole[:, :, i]), _bits(ref))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 4), H=st.integers(1, 64), L=st.integers(1, 1200),
+       seed=st.integers(0, 2**31 - 1))
+def test_other_float_inputs_take_the_fixed_order_and_are_bitwise_too(n, H, L, seed):
+    g = torch.Generator().manual_seed(seed)
+    q, keys = torch.randn(n, H, D, generator=g), torch.randn(L, D, generator=g)
+    assert not on_fp8_grid(keys)
+    whole = _check_subsets(q, keys, g)
+    assert torch.equal(_bits(whole), _bits(fixed_order_scores(q, keys)))
+    torch.testing.assert_close(whole, torch.einsum("nhd,ld->nhl", q.double(), keys.double()).float(),
+                               rtol=1e-5, atol=1e-4)
+
+
+def test_the_grid_check_rejects_what_it_cannot_prove_exact():
+    x = torch.tensor([[1.0, 2.0, 448.0]])
+    assert on_fp8_grid(x) and on_fp8_grid(x * 2.0 ** -20) and on_fp8_grid(torch.zeros(2, 3))
+    assert not on_fp8_grid(torch.tensor([[1.0, 1.0 + 2 ** -10]]))  # 11-bit mantissa
+    assert not on_fp8_grid(torch.tensor([[1.0, float("nan")]]))
+    assert not on_fp8_grid(x * 3.0 ** 0.5)
+    # Rows scaled by different powers of two are each on the grid.
+    assert on_fp8_grid(torch.cat([x, x * 2.0 ** 9, x * 2.0 ** -7]))
+    q = (torch.randn(2, 3, D) * 4).to(torch.float8_e4m3fn).float()
+    k = (torch.randn(5, D)).to(torch.float8_e4m3fn).float()
+    assert torch.equal(_bits(scores(q, k)), _bits(exact_scores(q, k)))
+
+
+@settings(max_examples=15, deadline=None)
+@given(P=st.integers(2, 8), H=st.integers(1, 64), L=st.integers(8, 2000),
+       seed=st.integers(0, 2**31 - 1))
+def test_token_shards_merge_to_the_whole_indexers_selection(P, H, L, seed):
+    """The engine's inputs: every rank's candidates (keys t mod P) merge into exactly the whole
+    indexer's top-k, scores bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    n = min(8, L)
+    q, keys = _fp8_inputs(g, n, H, L, 4)
+    w = torch.randn(n, H, generator=g)
+    qpos = torch.arange(L - n, L)
+    k = min(64, L)
+    whole = select_topk(q, w, keys, qpos, k)
+    parts = [select_topk(q, w, keys[r::P], qpos, k, key_positions=torch.arange(r, L, P),
+                         candidates=True) for r in range(P)]
+    merged = merge_candidates(torch.stack([x[0] for x in parts]),
+                              torch.stack([x[1] for x in parts]), k)
+    assert torch.equal(merged, whole)
+    # Every key's logit, whole: a shard's candidates carry the same bits.
+    full_s, full_p = select_topk(q, w, keys, qpos, L, candidates=True)
+    full = torch.full((n, L + 1), float("-inf"))  # column L takes the padding
+    full.scatter_(1, torch.where(full_p >= 0, full_p.long(), L), full_s)
+    for s, p in parts:
+        ok = p >= 0
+        assert ok.any()
+        assert torch.equal(_bits(s[ok]), _bits(full.gather(1, p.long().clamp(min=0))[ok]))
