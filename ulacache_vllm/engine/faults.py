@@ -19,8 +19,9 @@ Two ways to arm it:
 
 * in-process (unit tests): ``store.faults = MoveFaults(fault="raise", count=1)``;
 * in an engine (`vllm serve`, `LLM`): start it with ``ULACACHE_TEST_MOVE_FAULTS=/path/x.json``
-  in its environment (the workers inherit it). Each step the worker re-reads the file when it
-  changed and arms what it says (a missing or empty file: no faults)::
+  in its environment (the workers inherit it). Before each copy the mover re-reads the file
+  and, when it changed, arms what it says (a missing or empty file: no faults); steps without
+  copies never look at it, and without the variable nothing is polled at all::
 
       {"fault": "raise" | "stall", "moves": ["demote", "promote", "stage", "arena"],
        "skip": 0, "count": 1, "seconds": 1.0, "nonce": 7}
@@ -39,7 +40,7 @@ import time
 from dataclasses import dataclass
 
 # (vLLM's init_logger is this; plain logging keeps the module importable without vLLM.)
-logger = logging.getLogger("vllm.ulacache.move_faults")
+logger = logging.getLogger("vllm.ulacache.faults")
 ENV = "ULACACHE_TEST_MOVE_FAULTS"
 MOVES = ("demote", "promote", "stage", "arena")
 KINDS = ("raise", "stall")
@@ -78,7 +79,7 @@ class MoveFaults:
         return cls(count=0, path=path)
 
     def poll(self) -> None:
-        """Re-arms from the control file when its text changed (once per engine step)."""
+        """Re-arms from the control file when its text changed (before each copy)."""
         if self.path is None:
             return
         try:
@@ -98,7 +99,9 @@ class MoveFaults:
 
     def before_copy(self, move: str, rows: int) -> bool:
         """Called by a mover before each copy of ``rows`` rows or pages (``move`` in MOVES);
-        True if it stalled the copy, raises if it failed it."""
+        True if it stalled the copy, raises if it failed it. In an engine it first re-reads
+        the control file (`poll`): only steps that copy pay for it, and only when armed."""
+        self.poll()
         if self.count == 0 or move not in self.moves:
             return False
         if self.skip > 0:
