@@ -59,8 +59,31 @@ logger = init_logger("vllm.ulacache.arena")
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
 
 
+# `_allocate_running` repeats the steps of vLLM's `KVCacheManager.allocate_slots` for a running
+# request without hits; it was written against this exact upstream method.
+UPSTREAM_ALLOCATE_SLOTS = ("0.32.0", "8c60d937fd9eb0c8")
+
+
+def check_upstream_allocate_slots() -> None:
+    """Fails loudly when vLLM's `allocate_slots` is not the one `_allocate_running` copies."""
+    import hashlib
+    import inspect
+
+    from ulacache_vllm.patches._hook import VllmHookError, check_vllm_version
+
+    hook = "arena manager's copy of KVCacheManager.allocate_slots"
+    check_vllm_version(hook)
+    digest = hashlib.sha256(inspect.getsource(KVCacheManager.allocate_slots).encode())
+    if digest.hexdigest()[:16] != UPSTREAM_ALLOCATE_SLOTS[1]:
+        raise VllmHookError(
+            f"ulacache {hook}: vLLM's KVCacheManager.allocate_slots changed since vLLM "
+            f"{UPSTREAM_ALLOCATE_SLOTS[0]}; port ArenaKVCacheManager._allocate_running to it "
+            f"(and update UPSTREAM_ALLOCATE_SLOTS)")
+
+
 class ArenaKVCacheManager(LineManager, KVCacheManager):
     def __init__(self, kv_cache_config, *args, **kwargs):
+        check_upstream_allocate_slots()
         layout = layout_of(kv_cache_config)
         # vLLM's coordinator builds one block object per block: give it a one-block config
         # (only its null block), then swap every pool for an arena pool.
@@ -104,9 +127,13 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
                        num_external_computed_tokens=0, delay_cache_blocks=False,
                        num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
                        has_scheduled_reqs=True, skip_zeroing_group_ids=()):
-        if num_external_computed_tokens or num_encoder_tokens:
-            raise NotImplementedError("ulacache arena: external KV and encoder tokens are not "
-                                      "supported")
+        if num_external_computed_tokens or num_encoder_tokens or reserved_blocks or \
+                skip_zeroing_group_ids:
+            # vLLM passes the last two only for async KV-connector loads (external tokens).
+            raise NotImplementedError(
+                "ulacache arena: external KV (async connector loads: num_external_computed_"
+                "tokens, reserved_blocks, skip_zeroing_group_ids) and encoder tokens are not "
+                "supported")
         if (new_computed_blocks is None and not full_sequence_must_fit and not delay_cache_blocks
                 and request.status not in _WAITING):
             return self._allocate_running(request, num_new_tokens, num_new_computed_tokens,

@@ -8,7 +8,7 @@ tables keep vids; ``translate`` writes granules into the device side of each tab
 commits it (``patches/block_table_translate``), so slot mappings, attention block tables and
 recurrent-state indices are physical while moves rewrite no row.
 
-A copy step that fails (an exception from the copy; `move_faults` injects them in tests) never
+A copy step that fails (an exception from the copy; `engine/faults.py` injects them in tests) never
 lets a request read bytes that were not moved, nor ends the engine: the step's destinations
 are marked bad, later steps still run (what they copy from bad bytes is bad too), and every
 moved page whose final bytes are bad is *lost*. The connector reports lost vids as KV load
@@ -27,7 +27,8 @@ import torch
 
 from ..faults import MoveFaults
 from ..line import LineWorker
-from ..metrics import ARENA_COUNTERS, UlaStats, arena_gauges, per_rank_gauges
+from ..metrics import UlaStats, per_rank_gauges
+from .metrics import ARENA_COUNTERS, arena_gauges
 
 logger = logging.getLogger("vllm.ulacache.arena_worker")
 LOOP_MIN_BYTES = 16 << 10  # CPU: ranges this large on average are copied slice by slice
@@ -103,7 +104,7 @@ class ArenaWorker(LineWorker):
         self.stats_seen: dict = {}  # the scheduler's arena figures, as the last plan with some
         self.fences_seen = (0, 0)  # the scheduler's step fences (opened, passed)
         self._fresh = False  # figures or a failed copy since the last ``stats``
-        self.faults = faults  # test-only (`move_faults`); None: no fault can fire
+        self.faults = faults  # test-only (`engine/faults.py`); None: no fault can fire
         self.lost: set[int] = set()  # vids whose bytes a failed copy lost, not yet reported
         self._reported: dict = {}  # counters and gauges as last sent (`stats`)
         self._sig = None  # the figures `stats` last looked at
@@ -124,9 +125,7 @@ class ArenaWorker(LineWorker):
             self.stats_seen = plan.stats
             self._fresh = True
         self.counters["steps"] += 1
-        if self.faults is not None:
-            self.faults.poll()
-        elif not plan:  # most decode steps: nothing placed, moved or new
+        if not plan:  # most decode steps: nothing placed, moved or new
             return
         bad: BadBytes | None = None
         for step in plan.copies:
