@@ -257,7 +257,7 @@ def _install_engine_wrappers(prof: Prof, llm, profile: bool, cur: dict,
     if store is not None:
         import contextlib
 
-        orig_timed = store.timed
+        orig_timed = store.state.timed  # what the store and each of its parts time with
 
         @contextlib.contextmanager
         def timed(key):
@@ -268,7 +268,7 @@ def _install_engine_wrappers(prof: Prof, llm, profile: bool, cur: dict,
                 finally:
                     prof.leave()
 
-        store.timed = timed
+        store.state.timed = timed
         info["store"] = store
     return info
 

@@ -96,14 +96,22 @@ class Sim:
         self.times = {k: [] for k in PHASES}
         self.outs = []
         # begin_step split (exclusive, thread CPU): settle lookups, writes' assign, the two as
-        # one plan (`_settle_and_write`), the moves (`_apply`: copies + commit), the rest
-        # (frees, rounds, bookkeeping).
+        # one plan (`Residency.settle_and_write`), the moves (`TierMoves.apply`: copies +
+        # commit), the rest (frees, rounds, bookkeeping). The store's parts call each other
+        # through these attributes, so wrapping them on the part times every call.
         self.split = {k: 0.0 for k in SPLIT}
         self._stack: list = []
-        for attr, key in (("_settle", "settle"), ("_prepare_writes", "writes"),
-                          ("_settle_and_write", "settle_writes"), ("_apply", "copies")):
-            if hasattr(self.st, attr):  # (a tree from before the merged plan has no such step)
-                setattr(self.st, attr, self._timed(getattr(self.st, attr), key))
+        # (A tree from before the store was parts: its own private methods.)
+        parts = hasattr(self.st, "residency")
+        for part, attr, old, key in (("residency", "settle", "_settle", "settle"),
+                                     ("residency", "prepare_writes", "_prepare_writes", "writes"),
+                                     ("residency", "settle_and_write", "_settle_and_write",
+                                      "settle_writes"),
+                                     ("moves", "apply", "_apply", "copies")):
+            obj = getattr(self.st, part) if parts else self.st
+            name = attr if parts else old
+            if hasattr(obj, name):  # (a tree from before the merged plan has no such step)
+                setattr(obj, name, self._timed(getattr(obj, name), key))
 
     def _timed(self, fn, key):
         def wrapper(*a, **k):

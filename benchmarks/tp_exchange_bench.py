@@ -87,9 +87,16 @@ class Sim:
         self.split = {k: 0.0 for k in SPLIT}
         self.errors = 0
         self._stack: list = []
-        for attr, key in (("_settle_remote", "settle_remote"), ("_settle", "settle"),
-                          ("_prepare_writes", "writes"), ("_apply", "copies")):
-            setattr(self.st, attr, self._timed(getattr(self.st, attr), key))
+        # The store's parts call each other through these attributes (a tree from before the
+        # store was parts: its own private methods).
+        parts = hasattr(self.st, "residency")
+        for part, attr, old, key in (("sharded", "settle", "_settle_remote", "settle_remote"),
+                                     ("residency", "settle", "_settle", "settle"),
+                                     ("residency", "prepare_writes", "_prepare_writes", "writes"),
+                                     ("moves", "apply", "_apply", "copies")):
+            obj = getattr(self.st, part) if parts else self.st
+            name = attr if parts else old
+            setattr(obj, name, self._timed(getattr(obj, name), key))
 
     def _timed(self, fn, key):
         def wrapper(*a, **k):
@@ -205,8 +212,8 @@ class Sim:
         for li, name in enumerate(self.layers):
             t = self.mods[name].impl.translator
             dev, staged = t.g.read  # this step's resolved read
-            srcs = [t.store.host_rows[name]] if t.g.read_host else []
-            if t.store.shard is not None and not t.store.replicas:
+            srcs = [self.st.host_rows[name]] if t.g.read_host else []
+            if self.st.shard is not None and not self.st.replicas:
                 srcs.append(t.g.fetched[name].view(torch.float32).view(-1, self.head)
                             if t.g.width else torch.empty(0, self.head))
             got = torch.full(logical.shape, -1.0)

@@ -7,7 +7,7 @@ padded). Inputs ``scores`` float32 and ``positions`` int32, both [P, n, k'] (pad
 -1); a candidate counts only with a position >= 0 and a score > -inf (NaN never counts).
 Output [n, k] int32.
 
-`shard_read_plan`: what `engine.dsa.tp_shard.ShardedRows._remote_read` needs from a layer
+`shard_read_plan`: what `engine.dsa.sharded_rows.ShardedRows.read` needs from a layer
 group's selection. Inputs: the selected logical addresses ``lg`` (int64, -1 = none), the
 remote-row buffer's directory ``table`` (int32 as the buffer keeps it, [num_logical + 1]:
 buffer slot or -1, the last entry a -1 sentinel), the rows the local placement gave ``dev`` (int64, same length as

@@ -15,20 +15,27 @@ HOOK = "block_hasher"
 MODULE = "vllm.v1.engine.core"
 
 
+def after_init(engine_core, vllm_config) -> None:
+    """After vLLM's `EngineCore.__init__`: no hasher under ulacache without prefix caching;
+    every other engine keeps vLLM's."""
+    if not hasattr(engine_core, "request_block_hasher"):
+        from ._hook import VllmHookError
+
+        raise VllmHookError(f"ulacache patch '{HOOK}': EngineCore no longer sets "
+                            "request_block_hasher")
+    from ulacache_vllm.engine.config import kv_backend_of
+
+    if (kv_backend_of(vllm_config) == "ulacache"
+            and not vllm_config.cache_config.enable_prefix_caching):
+        engine_core.request_block_hasher = None
+
+
 def apply() -> None:
     _, orig = resolve(MODULE, "EngineCore.__init__", HOOK)
+    orig = getattr(orig, "__ulacache_original__", orig)
 
     def __init__(self, vllm_config, *args, **kwargs):
         orig(self, vllm_config, *args, **kwargs)
-        if not hasattr(self, "request_block_hasher"):
-            from ._hook import VllmHookError
-
-            raise VllmHookError(f"ulacache patch '{HOOK}': EngineCore no longer sets "
-                                "request_block_hasher")
-        from ulacache_vllm.engine.config import kv_backend_of
-
-        if (kv_backend_of(vllm_config) == "ulacache"
-                and not vllm_config.cache_config.enable_prefix_caching):
-            self.request_block_hasher = None
+        after_init(self, vllm_config)
 
     replace(MODULE, "EngineCore.__init__", __init__, HOOK)

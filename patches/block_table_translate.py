@@ -15,18 +15,24 @@ HOOK = "block_table_translate"
 MODULE = "vllm.v1.worker.block_table"
 
 
-def apply() -> None:
-    _, orig = resolve(MODULE, "BlockTable.commit_block_table", HOOK)
-
+def commit(orig, table, num_reqs: int) -> None:
+    """The hook, given vLLM's original: the line worker commits the table, or vLLM does."""
     from ulacache_vllm.engine.connector import ula_connector
 
+    # The connector is found once per table (a per-step lookup otherwise); a table that
+    # found none asks again, so one committed before the connector exists is not stuck.
+    conn = table.__dict__.get("_ula_connector") or ula_connector()
+    if conn is None or not conn.worker.commit_block_table(table, num_reqs):
+        orig(table, num_reqs)
+        return
+    table._ula_connector = conn
+
+
+def apply() -> None:
+    _, orig = resolve(MODULE, "BlockTable.commit_block_table", HOOK)
+    orig = getattr(orig, "__ulacache_original__", orig)
+
     def commit_block_table(self, num_reqs: int) -> None:
-        # The connector is found once per table (a per-step lookup otherwise); a table that
-        # found none asks again, so one committed before the connector exists is not stuck.
-        conn = getattr(self, "_ula_connector", None) or ula_connector()
-        if conn is None or not conn.worker.commit_block_table(self, num_reqs):
-            orig(self, num_reqs)
-            return
-        self._ula_connector = conn
+        commit(orig, self, num_reqs)
 
     replace(MODULE, "BlockTable.commit_block_table", commit_block_table, HOOK)

@@ -1,5 +1,8 @@
-"""Hook: `CpuPlatform.check_and_update_config` (platforms/cpu.py), for DSA models on vLLM's
-CPU build (the explicit requests come from `engine_config.py`'s `EngineArgs` hook).
+"""Hook: `CpuPlatform.check_and_update_config` (platforms/cpu.py), for the MLA models that run
+a line's CPU sparse-attention support on vLLM's CPU build (`Line.cpu_sparse_attention`: the
+DSA models of the V3.2 generation), whatever the KV backend (the explicit requests come from
+`engine_config.py`'s `EngineArgs` hook). Every other model (dense MLA, DeepSeek-V4 with its
+forced block size of 256, any other) keeps exactly what vLLM's platform hook decided.
 
 vLLM's CPU build picks an MLA path by host: on x86 CPUs with AMX tiles (`amx_mla_enabled`)
 chunked prefill and prefix caching stay on and the block size defaults to 128; elsewhere the
@@ -7,7 +10,7 @@ reference `CPU_MLA` kernel's limits are applied to every MLA model (block size f
 chunked prefill and prefix caching forced off, `max_num_batched_tokens = max(max_model_len,
 2048)`). DSA models never run that kernel: they run ulacache's CPU sparse-MLA backend and
 indexer (`cpu_sparse_attention.py`), which take any block size that is a multiple of 16,
-chunked prefill and prefill over a cached prefix. So for DSA models the reference rules only
+chunked prefill and prefill over a cached prefix. So for these models the reference rules only
 override what the user left to defaults: an explicit `enable_chunked_prefill=True` (with its
 `max_num_batched_tokens`), `enable_prefix_caching=True` or `block_size` (a multiple of 16) is
 kept. That makes each host's path reproducible on the other: on an AMX host
@@ -40,12 +43,14 @@ def host_has_amx() -> bool:
             and bool(torch.cpu._is_amx_tile_supported()))
 
 
-def _is_dsa(model_config) -> bool:
-    if model_config is None or not getattr(model_config, "use_mla", False):
+def runs_line_sparse_backend(model_config) -> bool:
+    """An MLA model whose sparse attention runs a line's CPU support (decided by the model,
+    whatever the KV backend)."""
+    if model_config is None or not model_config.use_mla:
         return False
-    from ulacache_vllm.engine.config import is_dsa_model
+    from ulacache_vllm.engine.lines import cpu_sparse_attention_for
 
-    return is_dsa_model(model_config.hf_config)
+    return cpu_sparse_attention_for(model_config) is not None
 
 
 def record_requests(engine_args) -> None:
@@ -59,11 +64,11 @@ def record_requests(engine_args) -> None:
 
 def keep_explicit_choices(vllm_config, before: dict) -> list[str]:
     """Undo the reference-MLA overrides of what the user (or, for the block size, vLLM's own
-    `user_specified_block_size`) asked for explicitly, on a DSA model; returns what was kept,
-    for the log."""
-    if not _is_dsa(vllm_config.model_config):
+    `user_specified_block_size`) asked for explicitly, on a model that runs a line's CPU
+    sparse-attention support; returns what was kept, for the log."""
+    if not runs_line_sparse_backend(vllm_config.model_config):
         return []
-    requested = (getattr(vllm_config, "additional_config", None) or {}).get(REQUESTED_KEY) or {}
+    requested = (vllm_config.additional_config or {}).get(REQUESTED_KEY) or {}
     sc, cc = vllm_config.scheduler_config, vllm_config.cache_config
     kept = []
     if requested.get("enable_chunked_prefill") and not sc.enable_chunked_prefill:

@@ -1,14 +1,16 @@
-"""Hooks of the EXPERIMENTAL CUDA glue (ulacache_vllm/engine/dsa/cuda), installed only on a CUDA
-platform with ``ULACACHE_EXPERIMENTAL_CUDA=1``; a no-op everywhere else.
+"""Hooks of the EXPERIMENTAL CUDA glue of the lines that run on CUDA (`Line.runs_on_cuda`: the
+DSA line's `engine/dsa/cuda`), installed only on a CUDA platform with
+``ULACACHE_EXPERIMENTAL_CUDA=1``; a no-op everywhere else.
 
 - `CudaPlatform.get_attn_backend_cls` (platforms/cuda.py): a sparse-MLA layer of an engine
-  running ``--kv-backend ulacache`` gets `UlaFlashMLASparseBackend`; stock engines (and
-  non-sparse layers) keep vLLM's choice.
+  running ``--kv-backend ulacache`` gets its line's backend (`Line.cuda_attention_backend`,
+  the DSA line's `UlaFlashMLASparseBackend`); stock engines (and non-sparse layers) keep
+  vLLM's choice.
 - `build_slot_mappings_by_layer` (v1/worker/gpu/attn_utils.py, and the names the V2 model
-  runner and its CUDA-graph manager imported from it): the MLA layers registered with the
-  active `CudaRows` get a view of its static slot-mapping buffer (same address at capture and
-  replay), filled with translated rows in the pre-forward step; indexer layers keep the
-  logical slots (indexer keys stay at their logical rows, as on the CPU build).
+  runner and its CUDA-graph manager imported from it): each line rewrites the mappings its
+  active worker owns (`Line.translate_slot_mappings`: the DSA line's MLA layers get views of
+  its static slot-mapping buffer, same address at capture and replay, filled with translated
+  rows in the pre-forward step; indexer layers keep the logical slots).
 Checked against vLLM 0.32.0; fails loudly (VllmHookError) if a hook point moved.
 """
 from __future__ import annotations
@@ -19,40 +21,35 @@ HOOK = "cuda_sparse_backend"
 SLOT_MAPPING_MODULES = ("vllm.v1.worker.gpu.attn_utils", "vllm.v1.worker.gpu.model_runner",
                         "vllm.v1.worker.gpu.cudagraph_utils")
 
-from ulacache_vllm.engine.dsa.cuda.runtime import ACTIVE  # the worker's CudaRows, or None
 
+def _line_backend() -> str | None:
+    """The CUDA sparse-MLA backend of the line recorded for the current engine, or None (a
+    stock engine, or no config in scope)."""
+    from vllm.config import get_current_vllm_config_or_none
 
-def _ulacache_engine() -> bool:
-    from vllm.config import get_current_vllm_config
+    from ulacache_vllm.engine.lines import recorded_line
 
-    from ulacache_vllm.engine.config import kv_backend_of
-
-    try:
-        return kv_backend_of(get_current_vllm_config()) == "ulacache"
-    except Exception:  # noqa: BLE001  (no config in scope)
-        return False
+    cfg = get_current_vllm_config_or_none()
+    line = recorded_line(cfg) if cfg is not None else None
+    return line.cuda_attention_backend() if line is not None else None
 
 
 def select_backend(orig, cls, selected_backend, attn_selector_config, num_heads=None):
-    if getattr(attn_selector_config, "use_sparse", False) and _ulacache_engine():
-        from ulacache_vllm.engine.dsa.cuda.backend import BACKEND_PATH
-
-        return BACKEND_PATH
+    if attn_selector_config.use_sparse:
+        path = _line_backend()
+        if path is not None:
+            return path
     return orig(cls, selected_backend, attn_selector_config, num_heads)
 
 
 def translate_slot_mappings(by_layer: dict, register: bool = True) -> dict:
-    """``by_layer`` with the active rows' MLA layers on their static buffers (module doc);
-    ``register=False`` (graph capture's dummy batches): the buffers without their slots."""
-    rows = ACTIVE["rows"]
-    if rows is None:
-        return by_layer
-    out = dict(by_layer)
-    for name in rows.layers:
-        if name in out:
-            out[name] = (rows.register_writes(name, out[name]) if register
-                         else rows.static_view(name, out[name]))
-    return out
+    """``by_layer`` as the lines' active workers want it (module doc); ``register=False``
+    (graph capture's dummy batches): static buffers without their slots."""
+    from ulacache_vllm.engine.lines import LINES
+
+    for line in LINES:
+        by_layer = line.translate_slot_mappings(by_layer, register)
+    return by_layer
 
 
 def install(force: bool = False) -> bool:
@@ -60,7 +57,7 @@ def install(force: bool = False) -> bool:
     they were installed."""
     from vllm.platforms import current_platform
 
-    from ulacache_vllm.engine.dsa.cuda import experimental_cuda_enabled
+    from ulacache_vllm.engine.line import experimental_cuda_enabled
 
     if not force and not (current_platform.is_cuda() and experimental_cuda_enabled()):
         return False

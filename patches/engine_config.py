@@ -3,7 +3,9 @@
 The single place where a `kv_backend` request, from any entry point (CLI flag, `LLM` keyword,
 raw `--additional-config`), is validated and turned into vLLM configuration: an unknown name or
 an unsupported model fails here, in the front-end process, with a message naming the fix,
-instead of as a traceback deep inside the engine core.
+instead of as a traceback deep inside the engine core. Here the product line is chosen for the
+model and recorded in `additional_config` (`wiring.prepare_engine_args`), before vLLM builds
+the configuration every other process reads it from.
 """
 from __future__ import annotations
 
@@ -32,7 +34,6 @@ def apply() -> None:
         cpu_mla_path.record_requests(self)
         vllm_config = orig(self, *args, **kwargs)
         if backend == "ulacache":
-            ula_config.check_model_supported(vllm_config.model_config)
             wiring.finalize_vllm_config(vllm_config, settings)
         return vllm_config
 

@@ -4,9 +4,9 @@ With prefix caching on, GDN/mamba layers run vLLM's "align" state mode: before e
 `preprocess_mamba` copies a request's previous state block (a prefix-cache hit, or last
 step's running state) into its current one, addressing states as `state[block_id]` with the
 ids of the request's block table. Under the arena those ids are virtual page ids and the
-state views are indexed by granule (`engine.arena.worker`): the ids are translated to
-granules (the worker's `translate_ids`) before vLLM builds the copy list. Every other
-backend keeps vLLM's behaviour.
+state views are indexed by granule: the ids are translated to granules (the line worker's
+`translate_ids`, `line.LineWorker`; the identity for a line that does not move pages) before
+vLLM builds the copy list. Every other backend keeps vLLM's behaviour.
 """
 from __future__ import annotations
 
@@ -18,23 +18,30 @@ HOOK = "mamba_align_translate"
 MODULE = "vllm.v1.worker.mamba_utils"
 
 
+def collect(orig, copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
+            src_block_idx, dest_block_idx, accept_token_bias, req_state, forward_context):
+    """The hook, given vLLM's original."""
+    from ulacache_vllm.engine.connector import ula_connector
+
+    conn = ula_connector()
+    if conn is not None:
+        ids = list(req_state.block_ids)
+        for g in mamba_group_ids:
+            ids[g] = conn.worker.translate_ids(ids[g])
+        req_state = SimpleNamespace(block_ids=ids)
+    return orig(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
+                src_block_idx, dest_block_idx, accept_token_bias, req_state, forward_context)
+
+
 def apply() -> None:
     _, orig = resolve(MODULE, "collect_mamba_copy_meta", HOOK)
+    orig = getattr(orig, "__ulacache_original__", orig)
 
     def collect_mamba_copy_meta(copy_bufs, kv_cache_config, mamba_state_copy_funcs,
                                 mamba_group_ids, src_block_idx, dest_block_idx,
                                 accept_token_bias, req_state, forward_context):
-        from ulacache_vllm.engine.connector import ula_connector
-
-        conn = ula_connector()
-        translate = getattr(conn.worker, "translate_ids", None) if conn is not None else None
-        if translate is not None:
-            ids = list(req_state.block_ids)
-            for g in mamba_group_ids:
-                ids[g] = translate(ids[g])
-            req_state = SimpleNamespace(block_ids=ids)
-        return orig(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
-                    src_block_idx, dest_block_idx, accept_token_bias, req_state,
-                    forward_context)
+        return collect(orig, copy_bufs, kv_cache_config, mamba_state_copy_funcs,
+                       mamba_group_ids, src_block_idx, dest_block_idx, accept_token_bias,
+                       req_state, forward_context)
 
     replace(MODULE, "collect_mamba_copy_meta", collect_mamba_copy_meta, HOOK)

@@ -415,9 +415,13 @@ def test_unsupported_hybrid_setups_are_refused_with_the_fix(what):
     from ulacache_vllm.engine.arena import sizing
 
     if what == "mamba2":
-        mc = SimpleNamespace(hf_config=SimpleNamespace(architectures=["NemotronHForCausalLM"]))
+        from transformers import PretrainedConfig
+
+        from ulacache_vllm.engine.lines import choose_line
+
+        mc = SimpleNamespace(hf_config=PretrainedConfig(architectures=["NemotronHForCausalLM"]))
         with pytest.raises(config.KVBackendError, match="Qwen3NextForCausalLM.*--kv-backend vllm"):
-            config.check_model_supported(mc)
+            choose_line(mc)
         return
     pc = SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
                          decode_context_parallel_size=1)

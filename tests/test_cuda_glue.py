@@ -505,11 +505,18 @@ def not_cpu(monkeypatch):
     monkeypatch.setattr(current_platform, "is_cpu", lambda: False)
 
 
-def _finalize_cfg(**over):
+def _finalize_cfg(arch="DeepseekV32ForCausalLM", **over):
+    """A config as `wiring.prepare_engine_args` leaves it: the line chosen for the model and
+    recorded in additional_config."""
+    from transformers import PretrainedConfig
+
+    from ulacache_vllm.engine.lines import choose_line, record_line
+
     cfg = _config(**over)
-    cfg.model_config = types.SimpleNamespace(
-        hf_config=types.SimpleNamespace(architectures=["DeepseekV32ForCausalLM"],
-                                        index_topk=128))
+    hf = PretrainedConfig(architectures=[arch], index_topk=128)
+    cfg.model_config = types.SimpleNamespace(hf_config=hf)
+    cfg.additional_config = record_line({"kv_backend": "ulacache"},
+                                        choose_line(cfg.model_config))
     return cfg
 
 
@@ -528,31 +535,52 @@ def test_cuda_is_refused_by_default_with_todays_message(not_cpu, monkeypatch):
         assert "CPU build only" in str(e.value)
 
 
+def test_the_cuda_refusal_names_the_opt_in():
+    assert f"{ucuda.OPT_IN_ENV}=1" in ucuda.CUDA_REFUSAL
+    assert "--kv-backend vllm" in ucuda.CUDA_REFUSAL
+
+
 def test_opt_in_passes_the_gate_and_runs_the_checks(not_cpu, monkeypatch):
     from ulacache_vllm.engine import wiring
     from ulacache_vllm.engine.config import UlaSettings
+    from ulacache_vllm.engine.lines import line_named
 
     monkeypatch.setenv(ucuda.OPT_IN_ENV, "1")
 
-    def stop(_):
+    def stop(*_):
         raise _Stop
 
-    monkeypatch.setattr(wiring, "line_sizing", stop)
+    monkeypatch.setattr(line_named("dsa"), "prepare", stop)
     cfg = _finalize_cfg()
-    with pytest.raises(_Stop):  # past the refusal, into the sizing
+    with pytest.raises(_Stop):  # past the refusal, into the line's preparation
         wiring.finalize_vllm_config(cfg, UlaSettings())
     assert cfg.attention_config.sparse_mla_force_mqa is True
     with pytest.raises(KVBackendError, match="decode context parallelism"):
         wiring.finalize_vllm_config(
             _finalize_cfg(parallel_config__decode_context_parallel_size=2), UlaSettings())
-    arena = _finalize_cfg()
-    arena.model_config.hf_config = types.SimpleNamespace(architectures=["GptOssForCausalLM"])
+    arena = _finalize_cfg("GptOssForCausalLM")
     with pytest.raises(KVBackendError) as e:  # the arena line has no CUDA glue at all
         wiring.finalize_vllm_config(arena, UlaSettings())
-    assert str(e.value) == ucuda.CUDA_REFUSAL
+    assert str(e.value) == line_named("arena").cuda_refusal
+    assert "CPU build only" in str(e.value) and "DSA models only" in str(e.value)
 
 
 # ------------------------------------------------------------------- patches
+def _vllm_config(ulacache: bool):
+    """A real VllmConfig of a DSA model (no model files: the model config is a stand-in) with
+    the line recorded as `wiring.prepare_engine_args` records it, or a stock one."""
+    from transformers import PretrainedConfig
+    from vllm.config import VllmConfig
+
+    from ulacache_vllm.engine.lines import choose_line, record_line
+
+    mc = types.SimpleNamespace(hf_config=PretrainedConfig(architectures=["DeepseekV32ForCausalLM"],
+                                                          index_topk=K))
+    extra = record_line({"kv_backend": "ulacache"}, choose_line(mc)) if ulacache else {}
+    cfg = VllmConfig(additional_config=extra)
+    return cfg
+
+
 def test_patch_is_a_no_op_without_cuda_and_opt_in(monkeypatch):
     from patches import cuda_sparse_backend as P
     from patches._hook import is_patched
@@ -593,11 +621,15 @@ def test_patch_hooks_backend_choice_and_slot_mappings(monkeypatch):
         sparse = types.SimpleNamespace(use_sparse=True)
         dense = types.SimpleNamespace(use_sparse=False)
         orig = lambda cls, sel, cfg, nh=None: "stock"  # noqa: E731
-        monkeypatch.setattr(P, "_ulacache_engine", lambda: True)
-        assert P.select_backend(orig, Platform, None, sparse) == BACKEND_PATH
-        assert P.select_backend(orig, Platform, None, dense) == "stock"
-        monkeypatch.setattr(P, "_ulacache_engine", lambda: False)
-        assert P.select_backend(orig, Platform, None, sparse) == "stock"
+        from vllm.config import set_current_vllm_config
+
+        ula, stock = _vllm_config(ulacache=True), _vllm_config(ulacache=False)
+        with set_current_vllm_config(ula):
+            assert P.select_backend(orig, Platform, None, sparse) == BACKEND_PATH
+            assert P.select_backend(orig, Platform, None, dense) == "stock"
+        with set_current_vllm_config(stock):
+            assert P.select_backend(orig, Platform, None, sparse) == "stock"
+        assert P.select_backend(orig, Platform, None, sparse) == "stock"  # no config in scope
 
         # Slot mappings: MLA layers of the active rows get the static buffer, others stay.
         rows = CudaRows([["mla0"]], row_bytes=2 * D, head_size=D, kv_dtype=torch.bfloat16,
@@ -608,10 +640,12 @@ def test_patch_hooks_backend_choice_and_slot_mappings(monkeypatch):
         kvc = types.SimpleNamespace(kv_cache_groups=[group])
         build = importlib.import_module("vllm.v1.worker.gpu.model_runner") \
             .build_slot_mappings_by_layer
-        monkeypatch.setitem(P.ACTIVE, "rows", None)
+        from ulacache_vllm.engine.dsa.cuda.runtime import ACTIVE
+
+        monkeypatch.setitem(ACTIVE, "rows", None)
         plain = build(sm.unsqueeze(0), kvc)
         assert plain["mla0"] is plain["indexer0"]  # no rows active: stock's mapping
-        monkeypatch.setitem(P.ACTIVE, "rows", rows)
+        monkeypatch.setitem(ACTIVE, "rows", rows)
         out = build(sm.unsqueeze(0), kvc)
         assert out["mla0"].data_ptr() == rows.write_rows["mla0"].data_ptr()
         assert torch.equal(out["indexer0"], sm)  # the indexer keeps logical slots

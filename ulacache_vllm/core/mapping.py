@@ -17,7 +17,8 @@ in a row, this one included; the others stay on the host, where readers find the
 ``locate`` (read in place or staged), counted in ``stats.deferred``. k = 1 promotes every host
 entry read. A row read once (an indexer whose top-k moves) then costs no promotion and no
 later demotion; a row read again (a top-k that stays) is promoted one settle later. Freeing an
-entry forgets its reads.
+entry forgets its reads (`admission.PromotionAdmission`). The counters are `MappingStats`
+(`mapping_stats`, with the policy timer of ``profile=True``).
 
 Failures: ``CapacityError`` (the round's working set exceeds the device pool, or the host
 pool is full) and ``KeyError`` (unknown addresses) leave tables, pools and stats unchanged.
@@ -32,9 +33,8 @@ Addresses are the rank's own (under TP shard mode the engine maps logical addres
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -42,8 +42,9 @@ from ulacache_vllm import kernels as K
 from ulacache_vllm.kernels.reference import SLOT_BITS, SLOT_MASK
 
 from .addresses import UniqueAddresses, as_addresses
+from .admission import PromotionAdmission
+from .mapping_stats import MappingStats, TimedPolicy
 from .policies import POLICIES, PolicyFactory, make_policy  # noqa: F401  (re-exported)
-from .policy import EvictionPolicy
 from .pools import CapacityError, SlotPool
 
 DEVICE, HOST = 0, 1
@@ -52,27 +53,6 @@ STAGING = 4  # copy_fn tier: engine-provided scratch rows, indices 0..plan.num_s
 # copy_fn(src_tier, src_slots, dst_tier, dst_slots): rows of every layer of the group; the copy
 # is complete, or ordered before every later read (one in-order stream), when it returns.
 CopyFn = Callable[[int, torch.Tensor, int, torch.Tensor], object]
-
-
-
-@dataclass
-class MappingStats:
-    lookups: int = 0        # unique entries asked for by ensure_resident
-    hits: int = 0           # ... already on the device
-    promotions: int = 0     # host -> device rows
-    demotions: int = 0      # device -> host rows
-    staged: int = 0         # promotions routed through staging (host full)
-    deferred: int = 0       # host entries read but not promoted (``promote_after``)
-    assigned: int = 0
-    freed: int = 0
-    lost: int = 0           # entries dropped because a copy_fn raised
-    plans: int = 0          # non-empty move plans made
-    policy_time_s: float = 0.0  # only accumulated with profile=True
-    policy_time_by: dict = field(default_factory=dict)  # the same, per policy method
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.lookups if self.lookups else 0.0
 
 
 @dataclass
@@ -99,44 +79,13 @@ class MovePlan:
     def empty(self) -> bool:
         return self._entries is None or self._entries.numel() == 0
 
+    @property
+    def entries(self) -> torch.Tensor | None:
+        """The entries the plan moves (after a failed ``apply``: the ones it dropped)."""
+        return self._entries
+
     def apply(self, copy_fn: CopyFn) -> MovePlan:
         return self._mapping.apply(self, copy_fn)
-
-
-class _TimedPolicy(EvictionPolicy):
-    """Wraps a policy and accumulates wall time of its calls into ``stats.policy_time_s``."""
-
-    def __init__(self, inner: EvictionPolicy, stats: MappingStats):
-        self.inner, self.stats, self.name = inner, stats, inner.name
-
-    @property
-    def victim_path(self) -> str:
-        return self.inner.victim_path
-
-    def _t(self, fn, *a):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a)
-        finally:
-            dt = time.perf_counter() - t0
-            st = self.stats
-            st.policy_time_s += dt
-            st.policy_time_by[fn.__name__] = st.policy_time_by.get(fn.__name__, 0.0) + dt
-
-    def hit_touch(self, v):
-        return self._t(self.inner.hit_touch, v)
-
-    def touch(self, s):
-        return self._t(self.inner.touch, s)
-
-    def select_victims(self, k):
-        return self._t(self.inner.select_victims, k)
-
-    def release(self, s):
-        return self._t(self.inner.release, s)
-
-    def advance_round(self):
-        return self._t(self.inner.advance_round)
 
 
 class TieredMapping:
@@ -161,17 +110,12 @@ class TieredMapping:
         # A product policy by name, or a factory passed explicitly (the benchmarks' baselines).
         policy = (lru(device_slots, self.device, ring_size) if callable(lru)
                   else make_policy(lru, device_slots, self.device, ring_size))
-        self.policy = _TimedPolicy(policy, self.stats) if profile else policy
+        self.policy = TimedPolicy(policy, self.stats) if profile else policy
         self._outstanding: MovePlan | None = None  # the non-empty plan not applied yet
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
-        # Promotion admission: the number of the settle each entry was last read from the host
-        # in (promote_after > 1), and in how many settles in a row (promote_after > 2).
+        # Promotion admission: which host entries a settle promotes (module doc).
         self.promote_after = promote_after
-        self._settles = 0
-        if promote_after > 1:
-            self._last_read = torch.full((n,), -2, dtype=torch.int64, device=self.device)
-        if promote_after > 2:
-            self._streak = torch.zeros((n,), dtype=torch.int32, device=self.device)
+        self.admission = PromotionAdmission(promote_after, n, self.device)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -215,36 +159,8 @@ class TieredMapping:
         self.host.release(host_slots)
         K.reference.fill_at(self.loc, u, -1)
         K.reference.fill_at(self.visible, u, -1)
-        if self.promote_after > 1:  # a reused address starts with no reads
-            K.reference.fill_at(self._last_read, u, -2)
+        self.admission.forget(u)  # a reused address starts with no reads
         return dev_slots.numel() + host_slots.numel()
-
-    def _admitted(self, miss: torch.Tensor, miss_lv: torch.Tensor):
-        """Which of this settle's host entries ``miss`` (unique; ``miss_lv`` their table
-        values) to promote: with ``promote_after`` k > 1, those read from the host in k
-        settles in a row, this one included. Returns ``(entries, their table values,
-        commit)``; ``commit()`` records this settle's reads, called once the settle can no
-        longer fail (a failed call changes nothing)."""
-        k = self.promote_after
-        if k == 1:
-            return miss, miss_lv, self._count_settle
-        run = self._last_read.index_select(0, miss) == self._settles - 1
-        streak = None
-        if k > 2:
-            streak = torch.where(run, self._streak.index_select(0, miss) + 1,
-                                 torch.ones_like(miss, dtype=torch.int32))
-            run = streak >= k
-
-        def commit():
-            if streak is not None:
-                self._streak.index_copy_(0, miss, streak)
-            self._last_read.index_fill_(0, miss, self._settles)
-            self._count_settle()
-
-        return K.compact(miss, run), K.compact(miss_lv, run), commit
-
-    def _count_settle(self) -> None:
-        self._settles += 1
 
     def _new_plan(self, dsrc, ddst, psrc, pdst, staged, entries, new_vals) -> MovePlan:
         plan = MovePlan(dsrc, ddst, psrc, pdst, staged, _entries=entries, _new_vals=new_vals,
@@ -399,7 +315,7 @@ class TieredMapping:
         hit = self.policy.hit_touch(lv)
         miss, mlv = K.compact(u, ~hit), K.compact(lv, ~hit)
         nhost = miss.numel()
-        miss, mlv, commit = self._admitted(miss, mlv)
+        miss, mlv, commit = self.admission.admit(miss, mlv)
         m = miss.numel()
         if m == 0:
             commit()
@@ -468,7 +384,7 @@ class TieredMapping:
         on_host = tier == HOST
         miss, mlv = K.compact(u, on_host), K.compact(lv, on_host)
         nhost = miss.numel()
-        miss, mlv, commit = self._admitted(miss, mlv)
+        miss, mlv, commit = self.admission.admit(miss, mlv)
         m, nw = miss.numel(), w.numel()
         k = m + nw - self.dev.num_free
         # Room, checked before any change: in the new round every occupied slot may be a

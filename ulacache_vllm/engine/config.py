@@ -1,7 +1,8 @@
 """The `--kv-backend` choice and ulacache settings: names, validation, and where they live.
 
 The choice travels to every vLLM process inside `VllmConfig.additional_config` (vLLM has no
-field for it): `{"kv_backend": "ulacache", "ulacache": {...settings...}}`.
+field for it): `{"kv_backend": "ulacache", "ulacache": {...settings...}}`, with the product
+line chosen for the model (`lines.LINE_KEY`).
 """
 from __future__ import annotations
 
@@ -13,13 +14,7 @@ TP_MODES = ("shard", "replicate")
 DEFAULT_KV_BACKEND = "vllm"
 ADDITIONAL_CONFIG_KEY = "kv_backend"
 SETTINGS_KEY = "ulacache"
-
-# Architectures whose attention is index-based sparse MLA (DSA): ulacache's logical address
-# space serves these. Any model whose config carries `index_topk` is treated the same way.
-DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
-# Hybrid architectures the arena serves (full attention + sliding window or GDN state), as
-# verified on vLLM's CPU build. Other hybrids (e.g. Mamba2 families) are refused by name.
-ARENA_ARCHITECTURES = ("Qwen3NextForCausalLM", "GptOssForCausalLM", "Gemma3ForCausalLM")
+# (The product line chosen for the model travels beside them: `lines.LINE_KEY`.)
 
 
 class KVBackendError(ValueError):
@@ -283,7 +278,7 @@ def settings_from_additional_config(additional_config: dict | None) -> UlaSettin
 
 
 def kv_backend_of(vllm_config: Any) -> str:
-    return backend_from_additional_config(getattr(vllm_config, "additional_config", None))
+    return backend_from_additional_config(vllm_config.additional_config)
 
 
 def merge_into_additional_config(
@@ -305,42 +300,6 @@ def merge_into_additional_config(
                 "--kv-backend ulacache (LLM(kv_backend=\"ulacache\")) to use them",
                 sorted(settings), out.get(ADDITIONAL_CONFIG_KEY, DEFAULT_KV_BACKEND))
     return out
-
-
-def is_dsa_model(hf_config: Any) -> bool:
-    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
-    if getattr(text, "index_topk", None):
-        return True
-    archs = getattr(hf_config, "architectures", None) or []
-    return any(a in DSA_ARCHITECTURES for a in archs)
-
-
-def is_arena_model(hf_config: Any) -> bool:
-    """A hybrid model the arena serves (not DSA: those keep the logical address space)."""
-    archs = getattr(hf_config, "architectures", None) or []
-    return not is_dsa_model(hf_config) and any(a in ARENA_ARCHITECTURES for a in archs)
-
-
-def is_arena_config(vllm_config: Any) -> bool:
-    mc = getattr(vllm_config, "model_config", None)
-    return (mc is not None and kv_backend_of(vllm_config) == "ulacache"
-            and is_arena_model(mc.hf_config))
-
-
-def check_model_supported(model_config: Any) -> None:
-    """Raises KVBackendError unless ulacache can serve this model."""
-    hf_config = model_config.hf_config
-    if is_dsa_model(hf_config) or is_arena_model(hf_config):
-        return
-    archs = getattr(hf_config, "architectures", None) or [type(hf_config).__name__]
-    raise KVBackendError(
-        f"--kv-backend ulacache does not support model architecture {', '.join(archs)}: "
-        f"it serves index-based sparse-attention (DSA) models "
-        f"({', '.join(DSA_ARCHITECTURES)}, or any model whose config has `index_topk`) "
-        f"through its logical address space, and the hybrid models "
-        f"{', '.join(ARENA_ARCHITECTURES)} through its arena (other hybrids, e.g. Mamba2 "
-        f"families, are not verified on this build yet). Use --kv-backend vllm for this model."
-    )
 
 
 def refuse_kv_offloading(engine_args: Any) -> None:

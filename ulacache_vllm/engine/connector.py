@@ -25,7 +25,9 @@ from vllm.logger import init_logger
 
 from .config import settings_from_additional_config
 from .line import LineWorker, layout_of
+from .lines import recorded_line
 from .metrics import UlaPromMetrics, UlaStats
+from .ranks import tp_rank
 
 logger = init_logger("vllm.ulacache.connector")
 CONNECTOR_NAME = "UlaCacheConnector"
@@ -117,27 +119,9 @@ class UlaCacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
-        return UlaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-
-
-def tp_rank() -> int:
-    from vllm.distributed import parallel_state as ps
-
-    try:
-        return ps.get_tp_group().rank_in_group
-    except AssertionError:  # groups not initialised (single-process tests)
-        return 0
-
-
-def first_worker_of_engine() -> bool:
-    """TP / PP rank 0: the one worker of an engine that writes the trace (the others would
-    record the same rounds into the same file)."""
-    from vllm.distributed import parallel_state as ps
-
-    try:
-        return ps.get_tp_group().rank_in_group == 0 and ps.get_pp_group().rank_in_group == 0
-    except AssertionError:  # groups not initialised (single-process tests)
-        return True
+        # The series of the engine's line (`Line.metrics`).
+        return UlaPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues,
+                              recorded_line(vllm_config).metrics)
 
 
 def ula_connector():

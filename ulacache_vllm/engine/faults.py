@@ -4,7 +4,7 @@ unless a test turns it on.
 Two movers ask their ``faults`` before each copy; ``None`` (the default) costs one attribute
 test:
 
-* the DSA worker store's row copies between tiers (`UlaWorkerStore.copy_fn`: demotions device
+* the DSA worker store's row copies between tiers (`moves.TierMoves.copy_fn`: demotions device
   -> host, promotions host -> device, and the staging copies of a promotion into a full host
   pool);
 * the hybrid arena's page moves (`ArenaWorker.apply`: each copy step of a compaction or
@@ -12,7 +12,7 @@ test:
 
 A fault makes a copy raise `MoveFaultError` (what a failed transfer would do) or sleep first
 (a stalled one). What the mover does about a failed copy is the product's behaviour, not this
-module's: see `UlaWorkerStore._apply` and `ArenaWorker.apply` (the requests whose KV was lost
+module's: see `moves.TierMoves.apply` and `ArenaWorker.apply` (the requests whose KV was lost
 end with an error; nobody else notices).
 
 Two ways to arm it:

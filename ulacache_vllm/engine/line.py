@@ -1,11 +1,17 @@
-"""The one protocol between the shared glue (connector, scheduler, worker extension, patches)
-and a product line (`dsa`: the logical address space; `arena`: hybrid models).
+"""The one protocol between the shared glue (connector, scheduler, worker extension, metrics,
+patches) and a product line (today the logical address space for DSA models and the arena for
+hybrid models, each a package of `engine/`).
 
-The line is decided once, where the engine core sizes the KV cache (`patches/kv_cache_sizing`
-calls the line's sizing), and carried explicitly from there: the `UlaKVCacheConfig` vLLM
-hands to the scheduler and every worker holds the line's layout, the layout names its
-scheduler-side manager and builds its worker-side half. The glue calls the hooks below and
-nothing else; every hook has a default, so a line overrides only what it does (the pattern
+A line is a `Line` object, one per product package (`engine/<line>/line.py`): what it serves,
+what it refuses, the engine arguments and configuration it sets, its sizing into a layout, its
+metrics, whether it runs on CUDA, and the vLLM-side support its models need on the CPU build
+whatever the KV backend. `engine.lines` holds the list of lines and the one function that
+chooses a line from the model config, once, in the front end; the choice is recorded in
+`additional_config` and read back from there by the glue and the patches, which never name a
+line. From the engine core's sizing on, the line also travels as its layout: the
+`UlaKVCacheConfig` vLLM hands to the scheduler and every worker holds the layout, which names
+its scheduler-side manager and builds its worker-side half. The glue calls the hooks below
+and nothing else; every hook has a default, so a line overrides only what it does (the pattern
 of SGLang's allocator base: no feature branch at the caller).
 
 Per step, in order: the scheduler's manager hands the step's payload to the connector
@@ -16,10 +22,22 @@ pre-forward half of its contract (`begin_step`); after the step, lost blocks go 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm.v1.kv_cache_interface import KVCacheConfig
+
+from .config import KVBackendError, UlaSettings
+
+# The experimental CUDA opt-in: a line that runs on CUDA (`Line.runs_on_cuda`) does so only
+# with this set to 1; without it every line is refused on a non-CPU platform.
+EXPERIMENTAL_CUDA_ENV = "ULACACHE_EXPERIMENTAL_CUDA"
+
+
+def experimental_cuda_enabled() -> bool:
+    """True only for an explicit ``ULACACHE_EXPERIMENTAL_CUDA=1`` (anything else: refused)."""
+    return os.environ.get(EXPERIMENTAL_CUDA_ENV, "").strip() == "1"
 
 
 class LineLayout:
@@ -32,6 +50,11 @@ class LineLayout:
     def build_worker(self, vllm_config: Any, settings: Any, kv_caches: dict) -> "LineWorker":
         """The worker-side half, built when the connector receives the KV caches."""
         raise NotImplementedError
+
+    def summary(self, max_model_len: int) -> str:
+        """The startup line: what the KV budget holds (logged by the engine core's sizing and
+        again when a worker is ready)."""
+        return f"ulacache {type(self).__name__}"
 
 
 @dataclass
@@ -109,3 +132,113 @@ class LineWorker:
     def usage(self) -> dict:
         """The `ulacache_usage` RPC's answer: pools, counters, settings in effect."""
         return {}
+
+    def translate_ids(self, block_ids: list[int]) -> list[int]:
+        """The ids under which vLLM's own per-block copies (the "align" mode's recurrent-state
+        copies, `patches/mamba_align_translate`) find ``block_ids``' KV: the ids themselves
+        unless the line moves pages under stable ids."""
+        return block_ids
+
+
+@dataclass(frozen=True)
+class LineMetrics:
+    """A line's Prometheus series (`vllm:ulacache_<name>`, counters with `_total`): name ->
+    help text. Counters travel as increments, gauges per rank (`metrics.per_rank_gauges`)."""
+
+    counters: dict[str, str] = field(default_factory=dict)
+    gauges: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CpuSparseAttention:
+    """What a line brings so that its models' index-based sparse attention runs on vLLM's CPU
+    build, under any `--kv-backend` (stock vLLM's CPU build has no sparse backend):
+    installed by `patches/cpu_sparse_attention`, which hands every other model to vLLM."""
+
+    backend_path: str  # the attention backend of the sparse layers (registered as CUSTOM)
+    indexer_backend: type  # the backend of the indexer's key cache
+    indexer_forward: Callable  # `SparseAttnIndexer.forward_cpu` for the line's indexers
+    quant_fp8: Callable  # `per_token_group_quant_fp8` where vLLM's Triton one cannot run
+
+
+class Line:
+    """A product line of `--kv-backend ulacache`: everything the glue needs from it. One
+    instance per line, in its package (`engine/<name>/line.py`), listed in `engine.lines`.
+    Every hook has a default; a line overrides what it does."""
+
+    name: str = ""  # recorded in additional_config (`engine.lines.LINE_KEY`)
+    # What it serves, for the refusal of a model no line serves ("... serves <this>").
+    serves_text: str = ""
+    metrics: LineMetrics = LineMetrics()
+    # Runs on a non-CPU platform behind the experimental opt-in (`EXPERIMENTAL_CUDA_ENV`);
+    # otherwise refused there with `cuda_refusal`.
+    runs_on_cuda: bool = False
+    # vLLM's CPU platform pads hybrid models' attention blocks to the recurrent-state page
+    # (`patches/hybrid_block_size`); a line that stores each kind at its own size skips it.
+    aligns_hybrid_block_size: bool = True
+
+    def __repr__(self) -> str:
+        return f"<ulacache line {self.name!r}>"
+
+    # ------------------------------------------------------------- model choice
+    def serves(self, hf_config: Any) -> bool:
+        """Whether this line serves the model (`engine.lines.choose_line` asks each line)."""
+        return False
+
+    def refusal(self, hf_config: Any) -> str | None:
+        """The message for a model this line recognises but refuses (asked before `serves`
+        of any line), or None."""
+        return None
+
+    # ------------------------------------------------------------ configuration
+    def prepare_engine_args(self, engine_args: Any) -> None:
+        """Front end, before vLLM builds its configuration from ``engine_args``."""
+        return None
+
+    def prepare(self, vllm_config: Any, settings: UlaSettings) -> None:
+        """Front end, after the configuration is built: refusals naming the fix, and what the
+        line sets in it."""
+        return None
+
+    @property
+    def cuda_refusal(self) -> str:
+        return (f"--kv-backend ulacache runs {self.serves_text} on vLLM's CPU build only. "
+                f"Use --kv-backend vllm on this machine.")
+
+    def check_platform(self, vllm_config: Any) -> None:
+        """Front end: refuses a non-CPU platform unless the line runs on CUDA and the
+        experimental opt-in is set; then checks the configuration (`check_cuda_config`)."""
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            return
+        if not (self.runs_on_cuda and experimental_cuda_enabled()):
+            raise KVBackendError(self.cuda_refusal)
+        self.check_cuda_config(vllm_config)
+
+    def check_cuda_config(self, vllm_config: Any) -> None:
+        """What the line's CUDA glue does not cover, refused with the fix."""
+        return None
+
+    # ------------------------------------------------------------------ sizing
+    def get_kv_cache_configs(self, orig: Callable, vllm_config: Any, kv_cache_specs: list[dict],
+                             available_memory: list[int],
+                             settings: UlaSettings) -> list[UlaKVCacheConfig]:
+        """The engine core's KV cache configs (`patches/kv_cache_sizing`; ``orig`` is vLLM's
+        own sizing), each carrying the line's layout."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------ vLLM-side support
+    def cpu_sparse_attention(self) -> CpuSparseAttention | None:
+        """The CPU sparse-attention support the line's models need (any KV backend)."""
+        return None
+
+    def cuda_attention_backend(self) -> str | None:
+        """The attention backend of the sparse layers of a ulacache engine on CUDA (the
+        experimental glue), or None for vLLM's choice."""
+        return None
+
+    def translate_slot_mappings(self, by_layer: dict, register: bool) -> dict:
+        """CUDA (experimental glue): the per-layer slot mappings vLLM built, as the line's
+        active worker wants them (``register=False``: graph capture's dummy batches)."""
+        return by_layer

@@ -1,4 +1,5 @@
-"""Turns `kv_backend=ulacache` into vLLM configuration: connector, scheduler class, checks."""
+"""Turns `kv_backend=ulacache` into vLLM configuration: connector, scheduler class, checks, and
+the product line (chosen once here, `lines.choose_line`, and recorded in `additional_config`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -8,6 +9,7 @@ from vllm.logger import init_logger
 from ulacache_vllm.core.policies import POLICIES
 
 from .config import KVBackendError, UlaSettings, refuse_kv_offloading
+from .lines import choose_line, record_line, recorded_line
 
 logger = init_logger("vllm.ulacache")
 
@@ -31,7 +33,7 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
         check_trace_path(settings.trace_path)
     refuse_kv_offloading(engine_args)
     ktc = engine_args.kv_transfer_config
-    if ktc is not None and getattr(ktc, "kv_connector", None) not in (None, CONNECTOR_NAME):
+    if ktc is not None and ktc.kv_connector not in (None, CONNECTOR_NAME):
         raise KVBackendError(
             f"--kv-backend ulacache brings its own KV connector and cannot be combined with "
             f"--kv-transfer-config {ktc.kv_connector!r} yet; drop one of them."
@@ -41,15 +43,11 @@ def prepare_engine_args(engine_args: Any, settings: UlaSettings) -> None:
     engine_args.kv_transfer_config = KVTransferConfig(
         kv_connector=CONNECTOR_NAME, kv_role="kv_both", kv_connector_module_path=MODULE_PATH,
         kv_load_failure_policy="fail")
-    # What the product line sets before vLLM derives the rest of its configuration from it.
-    line_sizing(engine_args.create_model_config()).prepare_engine_args(engine_args)
-    if engine_args.max_num_batched_tokens is None:
-        from .dsa.sizing import DEFAULTED_KEY
-
-        # Left to vLLM's default: the engine core may lower it to what the device pool holds
-        # (sizing.plan_layout) instead of refusing to start.
-        engine_args.additional_config = {**(engine_args.additional_config or {}),
-                                         DEFAULTED_KEY: ["max_num_batched_tokens"]}
+    # The product line, chosen once from the model and recorded for every vLLM process; what
+    # it sets before vLLM derives the rest of its configuration from the arguments.
+    line = choose_line(engine_args.create_model_config())
+    engine_args.additional_config = record_line(engine_args.additional_config, line)
+    line.prepare_engine_args(engine_args)
     if not engine_args.worker_extension_cls:
         engine_args.worker_extension_cls = WORKER_EXTENSION
 
@@ -70,36 +68,16 @@ def check_trace_path(path: str) -> None:
 
 
 def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
-    """Runs after VllmConfig is built and the model is known to be supported."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        # Stock CUDA sparse backends would read the pools through their own block-table
-        # conversion: refused, unless the experimental DSA glue is opted into (dsa/cuda).
-        from .config import is_arena_model
-        from .dsa.cuda import CUDA_REFUSAL, check_cuda_config, experimental_cuda_enabled
-
-        if not experimental_cuda_enabled() or is_arena_model(vllm_config.model_config.hf_config):
-            raise KVBackendError(CUDA_REFUSAL)
-        check_cuda_config(vllm_config)
-    line_sizing(vllm_config.model_config).prepare(vllm_config, settings)
+    """Runs after VllmConfig is built, with the line recorded by `prepare_engine_args`."""
+    line = recorded_line(vllm_config)
+    # A non-CPU platform is refused unless the line runs on CUDA behind the experimental
+    # opt-in (`line.EXPERIMENTAL_CUDA_ENV`), whose configuration checks then run.
+    line.check_platform(vllm_config)
+    line.prepare(vllm_config, settings)
     keep_cpu_core_reservation(vllm_config)
     set_error_file()
     sc = vllm_config.scheduler_config
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SYNC_SCHEDULER
-
-
-def line_sizing(model_config: Any):
-    """The product line serving this model, as its sizing module (`dsa.sizing` or
-    `arena.sizing`): the one place the line is decided; from the engine core's sizing on, the
-    line travels as the layout in `line.UlaKVCacheConfig`."""
-    from .config import is_arena_model
-
-    if is_arena_model(model_config.hf_config):
-        from .arena import sizing
-    else:
-        from .dsa import sizing
-    return sizing
 
 
 def set_error_file() -> None:

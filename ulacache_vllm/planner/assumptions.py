@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .budget import GIB, hisparse_shared_ranks, kv_budget, weights_per_gpu
-from .model import attention_token_bytes, dsa_specs, gdn_state, kv_dtype_of, state_bytes
+from .model import attention_token_bytes, dsa_specs, gdn_state, state_bytes
 from .presets import WEIGHT_BYTES
 
 if TYPE_CHECKING:
-    from .capacity import Plan
+    from .records import Plan
 
 
 def assumptions(p: Plan, experts_over: str) -> list[str]:

@@ -8,7 +8,7 @@ from .model import ModelShape, PlannerError
 from .presets import WEIGHT_BYTES
 
 if TYPE_CHECKING:
-    from .capacity import Cluster
+    from .records import Cluster
 
 GIB = 1 << 30
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .capacity import GIB, ULA_KEYS, Plan, Row
+from .budget import GIB
+from .records import ULA_KEYS, Plan, Row
 
 
 def _fmt_int(v: int | None) -> str:

@@ -64,7 +64,7 @@ def per_token_group_quant_fp8_torch(
     return q, scale
 
 
-def _cache_views(kv_cache: torch.Tensor):
+def cache_views(kv_cache: torch.Tensor):
     """[blocks, B, 132] uint8 -> (values [blocks, B, 128] uint8, scales [blocks, B, 4] uint8).
 
     vLLM's layout per block: B x 128 fp8 values, then B fp32 scales.
@@ -87,7 +87,7 @@ def write_keys(kv_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tens
         return
     bs = kv_cache.shape[1]
     q, scale = quant_fp8_ue8m0(k)
-    values, scales = _cache_views(kv_cache)
+    values, scales = cache_views(kv_cache)
     blk, off = slots // bs, slots % bs
     values[blk, off] = q.view(torch.uint8)
     scales[blk, off] = scale.reshape(-1).to(torch.float32).view(torch.uint8).reshape(-1, 4)
@@ -121,7 +121,7 @@ def read_fp8_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> Fp
     132]: one request's positions, or under TP shard mode this rank's share of them)."""
     bs = kv_cache.shape[1]
     nb = (n + bs - 1) // bs
-    values, scales = _cache_views(kv_cache)
+    values, scales = cache_views(kv_cache)
     ids = block_row[:nb].long()
     v = fp8_to_float(values[ids].reshape(nb * bs, -1)[:n])
     s = scales[ids].reshape(nb * bs, 4)[:n].contiguous().view(torch.float32)

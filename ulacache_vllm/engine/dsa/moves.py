@@ -1,32 +1,43 @@
-"""The DSA worker store's moves between tiers (mixed into `store.UlaWorkerStore`; every
-attribute is the store's): the byte-row copy a move plan runs per layer group, the pools as
-whole words, and what a failed copy leaves behind.
+"""The DSA worker store's moves between tiers (`TierMoves`, a part the store owns): the
+byte-row copy a move plan runs per layer group, and what a failed copy leaves behind.
 
-A failed copy (an exception from the copy; `move_faults` injects them in tests) never kills
-the engine and is never read: `TieredMapping.apply` drops the plan's entries, their logical
-blocks go to ``lost_blocks`` (reported to the scheduler as KV load errors, so vLLM ends the
-requests owning them with an error), and this step's new entries, which hold no data yet, are
-not lost (the caller assigns them again).
+A failed copy (an exception from the copy; `faults.MoveFaults` injects them in tests) never
+kills the engine and is never read: `TieredMapping.apply` drops the plan's entries, their
+logical blocks go to ``lost_blocks`` (reported to the scheduler as KV load errors, so vLLM ends
+the requests owning them with an error), and this step's new entries, which hold no data yet,
+are not lost (the caller assigns them again).
 """
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 from vllm.logger import init_logger
 
 from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING
+from ulacache_vllm.core.placement import TokenShard
 
-if TYPE_CHECKING:
-    from .store import _Group
+from ..faults import MoveFaults
+from .layout import DsaLayout
+from .rows import RowPools, wide
+from .state import LayerGroup, StoreState
 
 logger = init_logger("vllm.ulacache.worker_store")
 
 
 class TierMoves:
-    """Copies, whole-word views and failed-copy bookkeeping of the worker store."""
+    """Copies between the tiers of the store's pools and failed-copy bookkeeping.
+    ``shard``: TP shard mode's token placement (lost local addresses -> logical blocks)."""
 
-    def copy_fn(self, g: _Group):
+    def __init__(self, layout: DsaLayout, pools: RowPools, state: StoreState,
+                 shard: TokenShard | None = None):
+        self.layout, self.pools, self.state, self.shard = layout, pools, state, shard
+        self.faults = MoveFaults.from_env()  # test-only fault injection; None by default
+        # Failed moves (see `apply`): logical blocks whose rows were lost, until the connector
+        # reports them; and the entries lost since startup. (The failed copies themselves
+        # are a counter: `failed_copies`.)
+        self.lost_blocks: set[int] = set()
+        self.lost_entries = 0
+
+    def copy_fn(self, g: LayerGroup):
         """Copies byte rows of every layer of ``g`` between tiers (device, host, staging)."""
         def copy(src_tier, src, dst_tier, dst):
             need = src.numel() if STAGING in (src_tier, dst_tier) else 0
@@ -44,43 +55,32 @@ class TierMoves:
                 # needs a device-side view of the host pool; the CPU backend reads it directly).
                 d.index_copy_(0, dst.to(d.device), s.index_select(0, src.to(s.device)).to(d.device))
             if src_tier != dst_tier and STAGING not in (src_tier, dst_tier):
-                self.counters.bytes_moved += int(src.numel()) * g.row_bytes
+                self.state.counters.bytes_moved += int(src.numel()) * g.row_bytes
             return None
         return copy
 
-    def _bytes(self, g: _Group, name: str, tier: int, need: int) -> torch.Tensor:
+    def _bytes(self, g: LayerGroup, name: str, tier: int, need: int) -> torch.Tensor:
         """The rows of ``tier`` for a copy, viewed in the widest integer type dividing a row
-        (`_wide`): a uint8 row gather-scatter moves one byte per element, ~6x the time of
-        the same rows as int64 on CPU."""
+        (`rows.wide`)."""
         if tier == DEVICE:
-            return self._wide_rows[name][0]
+            return self.pools.wide_rows[name][0]
         if tier == HOST:
-            return self._wide_rows[name][1]
+            return self.pools.wide_rows[name][1]
         buf = g.staging.get(name)
         if buf is None or buf.shape[0] < need:
             buf = torch.empty(max(need, 64), self.layout.mla_row_bytes[name], dtype=torch.uint8,
-                              device=self.device)
+                              device=self.pools.device)
             g.staging[name] = buf
-        return self._wide(buf)
+        return wide(buf)
 
-    @staticmethod
-    def _wide(rows: torch.Tensor) -> torch.Tensor:
-        """``uint8 [R, B]`` rows as the widest of int64 / int32 / int16 whose size divides
-        ``B`` (the same bytes, a view)."""
-        b = rows.shape[1]
-        for dt, w in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
-            if b % w == 0 and rows.storage_offset() % w == 0:
-                return rows.view(dt)
-        return rows
-
-    def _apply(self, g: _Group, plan, fresh: torch.Tensor | None = None) -> bool:
+    def apply(self, g: LayerGroup, plan, fresh: torch.Tensor | None = None) -> bool:
         """Copies the plan's rows, then commits it; False if a copy failed.
 
-        A failed copy (an exception from the copy; `move_faults` injects them in tests) must
-        never let a request read rows that were not fully moved, nor kill the engine (vLLM
-        ends the engine core on any exception in a step): `TieredMapping.apply` drops the
-        plan's entries (unmapped, slots back in the pools, so the tables stay consistent), and
-        their logical blocks go to `lost_blocks`, which the connector reports to the
+        A failed copy (an exception from the copy; `faults.MoveFaults` injects them in tests)
+        must never let a request read rows that were not fully moved, nor kill the engine
+        (vLLM ends the engine core on any exception in a step): `TieredMapping.apply` drops
+        the plan's entries (unmapped, slots back in the pools, so the tables stay consistent),
+        and their logical blocks go to `lost_blocks`, which the connector reports to the
         scheduler as KV load errors: vLLM ends the requests owning them with an error
         (``kv_load_failure_policy="fail"``) before it emits this step's tokens of theirs.
         ``fresh``: this step's write addresses (local); their entries hold no data yet, so
@@ -90,16 +90,16 @@ class TierMoves:
         if plan.demote_src_device.numel():
             g.host_live = True  # (a draft layer's in-forward writes may demote)
         try:
-            with self.timed("copy"):
+            with self.state.timed("copy"):
                 g.mapping.apply(plan, self.copy_fn(g))
         except Exception as err:  # noqa: BLE001 - any copy failure: see the docstring
-            lost = plan._entries  # what `apply` dropped (core/mapping.py module doc)
+            lost = plan.entries  # what `apply` dropped (core/mapping.py module doc)
             if fresh is not None:
                 lost = lost[~torch.isin(lost, fresh)]
             self._lost(lost, err)
             return False
-        self.counters.promotions += int(plan.promote_src_host.numel())
-        self.counters.demotions += int(plan.demote_src_device.numel())
+        self.state.counters.promotions += int(plan.promote_src_host.numel())
+        self.state.counters.demotions += int(plan.demote_src_device.numel())
         return True
 
     def _lost(self, local: torch.Tensor, err: Exception) -> None:
@@ -107,9 +107,9 @@ class TierMoves:
         addrs = local if self.shard is None else local * self.shard.world + self.shard.rank
         blocks = torch.unique(addrs // self.layout.block_size).tolist()
         self.lost_blocks.update(blocks)
-        self.counters.failed_copies += 1
+        self.state.counters.failed_copies += 1
         self.lost_entries += int(local.numel())
-        self._usage_changed = True
+        self.state.usage_changed = True
         logger.error("ulacache: a row copy failed (%s: %s); %d entries of %d logical blocks "
                      "dropped, their requests end with an error", type(err).__name__, err,
                      int(local.numel()), len(blocks))

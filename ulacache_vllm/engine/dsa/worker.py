@@ -15,7 +15,7 @@ from ..metrics import UlaStats, per_rank_gauges
 from .store import UlaWorkerStore
 
 if TYPE_CHECKING:
-    from .sizing import UlaLayout
+    from .layout import DsaLayout
 
 logger = init_logger("vllm.ulacache.dsa")
 STATS_EVERY = 32  # steps between connector stats when nothing moved
@@ -26,9 +26,9 @@ class DsaWorker(LineWorker):
         self.store = store
 
     @classmethod
-    def build(cls, layout: UlaLayout, vllm_config, settings: UlaSettings,
+    def build(cls, layout: DsaLayout, vllm_config, settings: UlaSettings,
               kv_caches: dict) -> "DsaWorker":
-        from ..connector import first_worker_of_engine
+        from ..ranks import first_worker_of_engine
 
         ctx = vllm_config.compilation_config.static_forward_context
         device = next(iter(kv_caches.values())).device
@@ -131,7 +131,7 @@ class DsaWorker(LineWorker):
         return out
 
 
-def _tp_exchange(layout: UlaLayout, settings: UlaSettings):
+def _tp_exchange(layout: DsaLayout, settings: UlaSettings):
     from vllm.distributed import parallel_state as ps
 
     from .tp_shard import TokenShard, TPExchange

@@ -1,7 +1,7 @@
 """The DSA line on vLLM's CUDA build: EXPERIMENTAL, behind an explicit opt-in, never run on a GPU.
 
 Without ``ULACACHE_EXPERIMENTAL_CUDA=1`` in the environment, ``--kv-backend ulacache`` on a
-non-CPU platform is refused with ``CUDA_REFUSAL`` (wiring.finalize_vllm_config). With it, the
+non-CPU platform is refused with ``CUDA_REFUSAL`` (`Line.check_platform`). With it, the
 configuration is checked here (``check_cuda_config``: DCP, PCP, PP, nvfp4_ds_mla and the
 FULL-only graph mode are refused, each naming the fix; dense-MHA prefill is turned off so every
 token reads through the sparse path) and vLLM's FlashMLA-sparse backend is replaced by
@@ -20,19 +20,18 @@ import os
 from typing import Any
 
 from ...config import KVBackendError
+from ...line import EXPERIMENTAL_CUDA_ENV as OPT_IN_ENV
+from ...line import experimental_cuda_enabled
 
-OPT_IN_ENV = "ULACACHE_EXPERIMENTAL_CUDA"
+__all__ = ["CUDA_REFUSAL", "OPT_IN_ENV", "check_cuda_config", "experimental_cuda_enabled"]
 
-# Today's refusal, unchanged, plus how to opt in (wiring.finalize_vllm_config raises it).
+# The DSA line's refusal on a non-CPU platform without the opt-in (`Line.check_platform`).
 CUDA_REFUSAL = (
     "--kv-backend ulacache currently runs on vLLM's CPU build only: its translation "
     "hook (SparseMLAIndexGroup.convert_logical_to_physical_topk) is not wired into the "
-    "CUDA sparse-MLA backends yet. Use --kv-backend vllm on this machine.")
-
-
-def experimental_cuda_enabled() -> bool:
-    """True only for an explicit ``ULACACHE_EXPERIMENTAL_CUDA=1`` (anything else: refused)."""
-    return os.environ.get(OPT_IN_ENV, "").strip() == "1"
+    "CUDA sparse-MLA backends, except by EXPERIMENTAL glue for DSA models that has never "
+    f"run on a GPU (opt in with {OPT_IN_ENV}=1 in the environment to try it). Use "
+    "--kv-backend vllm on this machine.")
 
 
 def _refusals(vllm_config: Any) -> list[tuple[bool, str, str]]:
@@ -105,8 +104,8 @@ ACC_ROWS = 1 << 16  # per layer group: addresses of a chunked call's earlier chu
 
 
 def cuda_glue_active() -> bool:
-    """True where the worker will build the CUDA glue (a non-CPU platform; wiring refuses one
-    without the opt-in before sizing runs)."""
+    """True where the worker will build the CUDA glue (a non-CPU platform;
+    `Line.check_platform` refuses one without the opt-in before sizing runs)."""
     from vllm.platforms import current_platform
 
     return not current_platform.is_cpu()

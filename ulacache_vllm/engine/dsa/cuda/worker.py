@@ -40,13 +40,13 @@ from .runtime import CudaRows
 __all__ = ["STAGING_ENV", "CudaDsaWorker", "layer_groups"]
 
 if TYPE_CHECKING:
-    from ..sizing import UlaLayout
+    from ..layout import DsaLayout
 
 logger = init_logger("vllm.ulacache.dsa.cuda")
 STAT_COUNTERS = ("promotions", "demotions", "bytes_moved", "fallback_chunks", "deferred")
 
 
-def layer_groups(layout: "UlaLayout") -> list[list[str]]:
+def layer_groups(layout: "DsaLayout") -> list[list[str]]:
     groups: list[list[str]] = []
     for name in layout.mla_layers:
         if name in layout.leaders or not groups:
@@ -56,14 +56,14 @@ def layer_groups(layout: "UlaLayout") -> list[list[str]]:
 
 
 class CudaDsaWorker(LineWorker):
-    def __init__(self, rows: CudaRows, layout: "UlaLayout"):
+    def __init__(self, rows: CudaRows, layout: "DsaLayout"):
         self.rows, self.layout = rows, layout
         self.step = 0
         self._reported = {k: 0 for k in STAT_COUNTERS}  # counters as of the last report
         self._last_report, self._last_pools = 0, None
 
     @classmethod
-    def build(cls, layout: "UlaLayout", vllm_config, settings, kv_caches: dict):
+    def build(cls, layout: "DsaLayout", vllm_config, settings, kv_caches: dict):
         from .backend import UlaFlashMLASparseImpl
         from .runtime import ACTIVE
 
