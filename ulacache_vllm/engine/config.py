@@ -81,13 +81,16 @@ def _lru_choices() -> tuple[str, ...]:
 
 
 def _setting(default: Any, kind: str, help: str, metavar: str = "", choices=None,
-             minimum: int = 0):
+             minimum: int = 0, debug: bool = False):
     """A UlaSettings field. ``kind`` (gib | fraction | int | bool | choice | path) decides
     coercion and the CLI flag's type; ``help`` is the flag's help and the README's text;
     ``choices`` is a callable (the policies live in the core, imported only when asked);
-    ``minimum``: the smallest value an int setting takes."""
+    ``minimum``: the smallest value an int setting takes; ``debug``: a debugging or testing
+    knob (off by default, greedy output unchanged), listed apart from the product's settings."""
+    if debug:
+        help = "[debugging, harmless] " + help
     return field(default=default, metadata=dict(kind=kind, help=help, metavar=metavar,
-                                                choices=choices, minimum=minimum))
+                                                choices=choices, minimum=minimum, debug=debug))
 
 
 @dataclass
@@ -132,12 +135,13 @@ class UlaSettings:
         "anyway, to notice reuse coming back). A buffer the reads seldom hit costs a settle a "
         "step and saves almost no fetch. Default 0.1; 0 fills on every step.", metavar="R")
     tp_lockstep_check: bool = _setting(
-        False, "bool", "TP shard mode, debugging: before each exchange the ranks compare a "
-        "(step, op, layer) tag and raise on a mismatch instead of hanging (default false).")
+        False, "bool", "TP shard mode: before each exchange the ranks compare a (step, op, "
+        "layer) tag and raise on a mismatch instead of hanging (default false).", debug=True)
     arena_force_moves: int = _setting(
-        0, "int", "hybrid models (arena), testing: every N scheduler steps compact and relayout "
-        "the arena whether or not an admission needs it, with real copies (default 0: only "
-        "when an admission needs room).", metavar="N")
+        0, "int", "hybrid models (arena): every N scheduler steps compact and relayout the "
+        "arena whether or not an admission needs it, with real copies, to exercise the moves "
+        "(default 0: only when an admission needs room). Output is unchanged; it costs copies.",
+        metavar="N", debug=True)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "UlaSettings":
@@ -154,10 +158,13 @@ class UlaSettings:
         return asdict(self)
 
 
-def setting_fields():
-    """(name, kind, help, metavar, choices tuple or None) of every setting, in table order."""
+def setting_fields(debug: bool | None = None):
+    """(name, kind, help, metavar, choices tuple or None) of every setting, in table order;
+    ``debug``: only the debugging knobs (True) or only the product's settings (False)."""
     for f in fields(UlaSettings):
         md = f.metadata
+        if debug is not None and md["debug"] != debug:
+            continue
         choices = md["choices"]() if md["choices"] else (("true", "false") if md["kind"] == "bool" else None)
         yield f.name, md["kind"], md["help"], md["metavar"], choices
 
@@ -173,6 +180,8 @@ BACKEND_HELP = ("`vllm`: stock block manager (default). `ulacache`: logical addr
 ENV_KNOBS = {
     "ULACACHE_PBLRU_SMALL_POOL_SLOTS": "PB-LRU pools up to this many slots (default 4096) "
     "pick victims by one timestamp top-k (exact LRU; cheaper for small pools).",
+}
+DEBUG_ENV_KNOBS = {
     "ULACACHE_TEST_MOVE_FAULTS": "testing only: a JSON file that makes the worker's copies "
     "raise or stall: tier row copies (DSA) and arena page moves (hybrid models) "
     "(`ulacache_vllm/engine/faults.py`). A failed copy ends the requests whose KV it "
@@ -185,10 +194,15 @@ def settings_markdown() -> str:
     ulacache_vllm.engine.config` prints it)."""
     rows = ["| flag (`LLM` / `EngineArgs` keyword) | meaning |", "|---|---|",
             f"| `--kv-backend {{{','.join(KV_BACKENDS)}}}` (`kv_backend`) | {BACKEND_HELP} |"]
-    for name, kind, text, metavar, choices in setting_fields():
-        arg = "{" + ",".join(choices) + "}" if choices else metavar
-        rows.append(f"| `{flag_of(name)} {arg}` (`ula_{name}`) | {text} |")
-    rows += [f"| env `{k}` | {v} |" for k, v in ENV_KNOBS.items()]
+    for debug in (False, True):
+        if debug:
+            rows += ["", "Debugging and testing knobs (off by default; none changes the output):",
+                     "", "| flag / env | meaning |", "|---|---|"]
+        for name, kind, text, metavar, choices in setting_fields(debug):
+            arg = "{" + ",".join(choices) + "}" if choices else metavar
+            rows.append(f"| `{flag_of(name)} {arg}` (`ula_{name}`) | {text} |")
+        knobs = DEBUG_ENV_KNOBS if debug else ENV_KNOBS
+        rows += [f"| env `{k}` | {v} |" for k, v in knobs.items()]
     return "\n".join(rows)
 
 
