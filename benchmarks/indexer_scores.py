@@ -1,8 +1,10 @@
-"""The CPU indexer's top-k, before and after shape-independent scores, side by side.
+"""The CPU indexer's per-request work, before and after shape-independent scores, side by side.
 
-Times `cpu_indexer.select_topk` (exact float64 scores on the indexer's fp8-grid inputs,
-`engine/dsa/indexer_scores.py`) against the float32 BLAS product it replaced
-(`lab/indexer_fp32_blas.py`) on the same inputs, interleaved repeat by repeat, in one process.
+Times what `cpu_indexer.indexer_forward_cpu` does for one request: read its keys from a paged
+fp8 indexer cache and select the top-k. After: `read_fp8_keys` + `select_topk` (exact float64
+scores on the cache's fp8 keys, `engine/dsa/indexer_scores.py`). Before: the `.float()` read
+and the float32 BLAS product they replaced (`lab/indexer_fp32_blas.py`). Same inputs,
+interleaved repeat by repeat, in one process.
 Shapes: decode (a few queries over long histories) and prefill chunks, at DeepSeek-V3.2's
 indexer (64 heads of 128) and the tiny test models' (8 heads). Prints median ms and the
 ratio per shape (median over repeats of after/before); writes JSON and Markdown to
@@ -24,9 +26,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _host import cpu_host  # noqa: E402
-from lab.indexer_fp32_blas import select_topk_fp32_blas  # noqa: E402
+from lab.indexer_fp32_blas import read_keys_float, select_topk_fp32_blas  # noqa: E402
 
-from ulacache_vllm.engine.dsa.cpu_indexer import quant_fp8_ue8m0, select_topk  # noqa: E402
+from ulacache_vllm.engine.dsa.cpu_indexer import (  # noqa: E402
+    read_fp8_keys,
+    select_topk,
+    write_keys,
+)
+
+BLOCK = 64
 
 SHAPES = [  # (label, queries, heads, keys, topk)
     ("decode b1 L2k H64", 1, 64, 2048, 2048),
@@ -34,15 +42,30 @@ SHAPES = [  # (label, queries, heads, keys, topk)
     ("decode b4 L8k H64", 4, 64, 8192, 2048),
     ("decode b4 L4k H8", 4, 8, 4096, 16),
     ("prefill 256 L2k H64", 256, 64, 2048, 2048),
+    ("prefill 2k from 0 H64", 2048, 64, 2048, 2048),
     ("prefill 512 L4k H8", 512, 8, 4096, 16),
 ]
 
 
 def inputs(n, H, L, seed=0):
+    """Queries (fp8 values, as the indexer's q_quant), weights, a paged fp8 key cache holding
+    L keys in shuffled blocks, its block-table row, query positions."""
     g = torch.Generator().manual_seed(seed)
     q = (torch.randn(n, H, 128, generator=g) * 8).to(torch.float8_e4m3fn).float()
-    v, s = quant_fp8_ue8m0(torch.randn(L, 128, generator=g))
-    return q, torch.randn(n, H, generator=g), v.float() * s.float(), torch.arange(L - n, L)
+    nb = (L + BLOCK - 1) // BLOCK
+    cache = torch.zeros(nb + 3, BLOCK, 132, dtype=torch.uint8)
+    row = torch.randperm(nb + 3, generator=g)[:nb].to(torch.int32)
+    slots = (row.long().repeat_interleave(BLOCK) * BLOCK + torch.arange(BLOCK).repeat(nb))[:L]
+    write_keys(cache, torch.randn(L, 128, generator=g), slots)
+    return q, torch.randn(n, H, generator=g), cache, row, torch.arange(L - n, L)
+
+
+def before(q, w, cache, row, pos, k):
+    return select_topk_fp32_blas(q, w, read_keys_float(cache, row, int(pos[-1]) + 1), pos, k)
+
+
+def after(q, w, cache, row, pos, k):
+    return select_topk(q, w, read_fp8_keys(cache, row, int(pos[-1]) + 1), pos, k)
 
 
 def _time(fn, *args):
@@ -63,19 +86,20 @@ def main(argv=None):
     rows = []
     for label, n, H, L, k in shapes:
         args = (*inputs(n, H, L), k)
-        select_topk(*args), select_topk_fp32_blas(*args)  # warm-up
-        before, after = [], []
+        before(*args), after(*args)  # warm-up
+        t_before, t_after = [], []
         for r in range(repeats):
-            pair = [(before, select_topk_fp32_blas), (after, select_topk)]
+            pair = [(t_before, before), (t_after, after)]
             for out, fn in (pair if r % 2 == 0 else pair[::-1]):
                 out.append(_time(fn, *args))
-        ratio = statistics.median(x / y for x, y in zip(after, before))
+        before_ms, after_ms = t_before, t_after
+        ratio = statistics.median(x / y for x, y in zip(after_ms, before_ms))
         rows.append({"shape": label, "queries": n, "heads": H, "keys": L, "topk": k,
-                     "before_ms": before, "after_ms": after, "ratio_median": ratio,
-                     "ratio_min": min(x / y for x, y in zip(after, before)),
-                     "ratio_max": max(x / y for x, y in zip(after, before))})
-        print(f"{label:24s} before {statistics.median(before):8.2f} ms  after "
-              f"{statistics.median(after):8.2f} ms  after/before {ratio:.3f} "
+                     "before_ms": before_ms, "after_ms": after_ms, "ratio_median": ratio,
+                     "ratio_min": min(x / y for x, y in zip(after_ms, before_ms)),
+                     "ratio_max": max(x / y for x, y in zip(after_ms, before_ms))})
+        print(f"{label:24s} before {statistics.median(before_ms):8.2f} ms  after "
+              f"{statistics.median(after_ms):8.2f} ms  after/before {ratio:.3f} "
               f"[{rows[-1]['ratio_min']:.3f}, {rows[-1]['ratio_max']:.3f}]", flush=True)
     res = {"host": cpu_host(), "threads": torch.get_num_threads(), "repeats": repeats,
            "rows": rows}

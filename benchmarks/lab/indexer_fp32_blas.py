@@ -1,12 +1,23 @@
 """Baseline for `benchmarks/indexer_scores.py`: the indexer's top-k as it scored before the
-scores were made shape-independent (one float32 BLAS product; a single key scored beside a
-zero key). Its bits for a key depend on how many keys the product holds, on some CPUs."""
+scores were made shape-independent (keys decoded by ``.float()``, one float32 BLAS product; a
+single key scored beside a zero key). Its bits for a key depend on how many keys the product holds, on some CPUs."""
 from __future__ import annotations
 
 import torch
 
-from ulacache_vllm.engine.dsa.cpu_indexer import SCORE_CHUNK, head_sum
+from ulacache_vllm.engine.dsa.cpu_indexer import FP8, SCORE_CHUNK, cache_views, head_sum
 from ulacache_vllm.engine.dsa.topk import local_candidates
+
+
+def read_keys_float(kv_cache, block_row, n):
+    """The cache's keys as read before: fp8 decoded by ``.float()``, times the scales."""
+    bs = kv_cache.shape[1]
+    nb = (n + bs - 1) // bs
+    values, scales = cache_views(kv_cache)
+    ids = block_row[:nb].long()
+    v = values[ids].reshape(nb * bs, -1)[:n].view(FP8).float()
+    s = scales[ids].reshape(nb * bs, 4)[:n].contiguous().view(torch.float32)
+    return v * s
 
 
 def select_topk_fp32_blas(q, weights, keys, positions, topk, key_positions=None,

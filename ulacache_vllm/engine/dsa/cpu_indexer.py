@@ -35,6 +35,7 @@ FP8_MAX = torch.finfo(FP8).max
 QUANT_BLOCK = 128
 SCORE_CHUNK = 256
 FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
+FP8_TABLE64 = FP8_TABLE.double()
 
 
 def quant_fp8_ue8m0(x: torch.Tensor, group: int = QUANT_BLOCK, eps: float = 1e-10):
@@ -94,12 +95,12 @@ def write_keys(kv_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tens
 
 
 class Fp8Keys(NamedTuple):
-    """Keys as the indexer cache holds them: fp8 e4m3 values (as float32) and one
-    power-of-two (UE8M0) scale per key, as `write_keys` stores them. `select_topk` scores
-    these exactly without inspecting the values (`indexer_scores`)."""
+    """Keys as the indexer cache holds them: fp8 e4m3 values and one power-of-two (UE8M0)
+    scale per key, as `write_keys` stores them, decoded to float64 (the exact scores' type).
+    `select_topk` scores these exactly without inspecting the values (`indexer_scores`)."""
 
-    values: torch.Tensor  # [L, D] float32
-    scales: torch.Tensor  # [L, 1] float32, powers of two
+    values: torch.Tensor  # [L, D] float64, fp8 values
+    scales: torch.Tensor  # [L, 1] float64, powers of two
 
     @property
     def shape(self):
@@ -109,11 +110,11 @@ class Fp8Keys(NamedTuple):
         return self.values * self.scales
 
 
-def fp8_to_float(x: torch.Tensor) -> torch.Tensor:
-    """fp8 e4m3 codes (uint8 or float8 dtype) -> float32 through a 256-entry table: exact,
-    and ~3x faster than `.float()` on vLLM's CPU torch."""
+def fp8_to_float(x: torch.Tensor, table: torch.Tensor = FP8_TABLE) -> torch.Tensor:
+    """fp8 e4m3 codes (uint8 or float8 dtype) -> float32 (or ``table``'s dtype) through a
+    256-entry table: exact, and ~3x faster than `.float()` on vLLM's CPU torch."""
     codes = x.contiguous().view(torch.uint8)
-    return FP8_TABLE.index_select(0, codes.reshape(-1).int()).view(codes.shape)
+    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 def read_fp8_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> Fp8Keys:
@@ -123,14 +124,14 @@ def read_fp8_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> Fp
     nb = (n + bs - 1) // bs
     values, scales = cache_views(kv_cache)
     ids = block_row[:nb].long()
-    v = fp8_to_float(values[ids].reshape(nb * bs, -1)[:n])
+    v = fp8_to_float(values[ids].reshape(nb * bs, -1)[:n], FP8_TABLE64)
     s = scales[ids].reshape(nb * bs, 4)[:n].contiguous().view(torch.float32)
-    return Fp8Keys(v, s)
+    return Fp8Keys(v, s.double())
 
 
 def read_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.Tensor:
     """Dequantized keys [n, 128] float32 (`read_fp8_keys`, values times scales)."""
-    return read_fp8_keys(kv_cache, block_row, n).dequantized()
+    return read_fp8_keys(kv_cache, block_row, n).dequantized().float()
 
 
 def head_sum(x: torch.Tensor) -> torch.Tensor:
@@ -170,17 +171,20 @@ def select_topk(
     out = torch.full((n, topk), -1, dtype=torch.int32)
     # Exact on the indexer's fp8-grid inputs, fixed-order otherwise (`indexer_scores`): a
     # key's score has the same bits whatever keys are scored beside it (TP shard mode).
+    # Since a key's score does not depend on the keys beside it, a chunk of queries scores
+    # only the keys up to its last query's position (a prefill's causal triangle is skipped).
     for s in range(0, n, SCORE_CHUNK):
         e = min(n, s + SCORE_CHUNK)
-        qs = q[s:e]
+        qs, pos = q[s:e], positions[s:e]
+        lim = int(torch.searchsorted(key_pos, pos.max(), right=True)) if L else 0
+        ks, kp = keys[:lim], key_pos[:lim]
         if keys_exact and on_fp8_grid(qs):
-            scores = exact_scores(qs, keys).relu_()
+            scores = exact_scores(qs, ks).relu_()
         else:
-            scores = fixed_order_scores(qs, keys).relu_()
+            scores = fixed_order_scores(qs, ks.float()).relu_()
         logits = head_sum(scores.mul_(weights[s:e].unsqueeze(-1)))
-        causal = key_pos.unsqueeze(0) <= positions[s:e].unsqueeze(1)
-        logits = logits.masked_fill(~causal, float("-inf"))
-        vals[s:e], out[s:e] = local_candidates(logits, key_pos, topk)
+        logits = logits.masked_fill(kp.unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
+        vals[s:e], out[s:e] = local_candidates(logits, kp, topk)
     return (vals, out) if candidates else out
 
 
