@@ -23,6 +23,8 @@ ALL = (engine_args, cli_args, llm_kwargs, engine_config, engine_startup_error, r
        cpu_sparse_attention, cpu_mla_path, kv_cache_sizing, hybrid_block_size,
        block_table_translate, mamba_align_translate, cuda_sparse_backend, block_hasher,
        kv_layer_hooks)
+from . import v4_cpu_isa, v4_tile_scheduler, v4_triton_fallbacks  # noqa: E402 (DeepSeek-V4, CPU)
+ALL += (v4_cpu_isa, v4_tile_scheduler, v4_triton_fallbacks)
 
 
 def apply_all() -> None:

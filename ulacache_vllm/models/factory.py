@@ -15,8 +15,14 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from . import deepseek_v4
 from .configs import FAMILIES, INIT_RANGE, MODEL_NAMES
 from .tokenizer import save_tokenizer
+
+# Families whose checkpoint is written directly in the names vLLM loads (transformers'
+# from_config/save_pretrained does not write them): name -> module with ``write``.
+DIRECT = {deepseek_v4.NAME: deepseek_v4}
+ALL_MODEL_NAMES: tuple[str, ...] = MODEL_NAMES + tuple(DIRECT)
 
 BUILD_INFO = "ulacache_build.json"  # marks a directory this factory wrote (safe to replace)
 WEIGHTS = "model.safetensors"
@@ -82,6 +88,16 @@ def _add_mtp_layers(d: Path, kwargs: dict[str, Any], seed: int) -> None:
     block, unit `enorm`/`hnorm`, the final norm and LM head as `shared_head`, and an
     `eh_proj` that mostly passes the previous hidden state through (so drafts are sometimes
     accepted even with random weights).
+
+    Option (an override, kept in config.json as a record; vLLM ignores it)
+    ``mtp_block_scale=S``: an MTP layer built to agree with its target. `eh_proj` passes the
+    previous hidden state through exactly (no embedding term) and the block's output
+    projections (attention `o_proj`, every expert's and the shared expert's `down_proj`) are
+    scaled by S, so the layer mostly reproduces the target's last hidden state: its draft is
+    the target's last token again, accepted wherever the target repeats itself (a random
+    target does on prompts of one repeated word), rejected elsewhere. S > 0 keeps the block's
+    attention over the MTP layer's own KV (its indexer, its rows) in the draft: at S 0.1 it
+    still changes about a quarter of the accepted drafts.
     """
     import torch
     from safetensors.torch import load_file, save_file
@@ -90,6 +106,8 @@ def _add_mtp_layers(d: Path, kwargs: dict[str, Any], seed: int) -> None:
     n = int(kwargs["num_hidden_layers"])
     hidden = int(kwargs["hidden_size"])
     gen = torch.Generator().manual_seed(seed + 1)
+    scale = kwargs.get("mtp_block_scale")
+    scale = None if scale is None else float(scale)
     last = f"model.layers.{n - 1}."
     for i in range(int(kwargs["num_nextn_predict_layers"])):
         pre = f"model.layers.{n + i}."
@@ -99,6 +117,11 @@ def _add_mtp_layers(d: Path, kwargs: dict[str, Any], seed: int) -> None:
         tensors[pre + "hnorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
         eh = torch.cat([0.05 * torch.randn(hidden, hidden, generator=gen),
                         torch.eye(hidden)], dim=1)
+        if scale is not None:
+            eh[:, :hidden] = 0.0
+            for k in [k for k in tensors if k.startswith(pre) and
+                      k.endswith(("self_attn.o_proj.weight", "down_proj.weight"))]:
+                tensors[k] = (tensors[k].float() * scale).to(tensors[k].dtype)
         tensors[pre + "eh_proj.weight"] = eh.to(torch.bfloat16)
         tensors[pre + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
         tensors[pre + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
@@ -177,8 +200,11 @@ def build_model(
     over); ``overrides`` then must not change shapes. ``outdir`` is replaced if this factory wrote it before, refused if it
     holds anything else.
     """
+    if name in DIRECT:
+        return _build_direct(name, outdir, overrides=overrides, seed=seed,
+                             weights_from=weights_from)
     if name not in FAMILIES:
-        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODEL_NAMES)}")
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(ALL_MODEL_NAMES)}")
     out = Path(outdir)
     if out.exists() and any(out.iterdir()) and not (out / BUILD_INFO).exists():
         raise FileExistsError(f"{out} exists and was not written by build_model")
@@ -212,6 +238,34 @@ def build_model(
             cfg["num_nextn_predict_layers"] = int(kwargs["num_nextn_predict_layers"])
             _write_json(tmp / "config.json", cfg)
         _write_json(tmp / BUILD_INFO, info)
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _build_direct(name: str, outdir, *, overrides, seed: int, weights_from) -> Path:
+    """``build_model`` for a DIRECT family (same directory contract)."""
+    if weights_from is not None:
+        raise ValueError(f"{name}: weights_from is not supported (its weights are written "
+                         f"directly); use --seed and --set")
+    mod = DIRECT[name]
+    out = Path(outdir)
+    if out.exists() and any(out.iterdir()) and not (out / BUILD_INFO).exists():
+        raise FileExistsError(f"{out} exists and was not written by build_model")
+    overrides = dict(overrides or {})
+    mod.make_config(overrides, {})  # refuse a bad config before any work
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp.chmod(0o755)
+        vocab = overrides.get("vocab_size", mod.DEFAULTS["vocab_size"])
+        special_ids = save_tokenizer(tmp, vocab)
+        mod.write(tmp, overrides, seed, special_ids)
+        _write_json(tmp / BUILD_INFO, {"name": name, "seed": seed, "overrides": overrides})
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
