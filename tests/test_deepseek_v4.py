@@ -7,11 +7,15 @@
   torch fallbacks registered through vLLM's dispatcher hook (their parity with the Triton
   bodies is ``tests/core/test_v4_metadata_kernels.py``), the tile-scheduler fix, and the
   AVX512-BF16 requirement checked while the config is built.
-- One engine (module-scoped, ``LLM(...)`` with the plugin loaded as installed): a CPU without
-  AVX512-BF16 (the probe mocked) is refused before any engine starts; then short prompts and a
-  2400-token one (past 4 x 512: the real lightning indexer runs) generate greedily,
-  deterministically, prompt-dependently and batch-invariantly, and agree with transformers'
-  DeepSeek-V4 on the same weights (``_v4_reference``: tolerances there).
+- One engine script (module-scoped, ``LLM(...)`` with the plugin loaded as installed): a CPU
+  without AVX512-BF16 (the probe mocked) is refused before any engine starts; then short
+  prompts and a 2400-token one (past 4 x 512: the real lightning indexer runs) generate
+  greedily, deterministically, prompt-dependently and batch-invariantly, and agree with
+  transformers' DeepSeek-V4 on the same weights (``_v4_reference``: tolerances there). Then, in
+  the same process once that engine is freed, lm-eval's ``vllm`` model serves the same model:
+  generate_until and loglikelihood agree with LLM's greedy tokens and logprobs.
+- Beside it, the same generations with ulacache's plugin not loaded (``VLLM_PLUGINS``) and only
+  V4's three fixes applied by hand: tokens and logprobs identical, bit for bit.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from _vllm_subprocess import run_vllm_script
+from _vllm_subprocess import run_side_by_side, run_vllm_script
 
 V4 = "deepseek_v4"
 LONG_TOKENS = 2400  # > 4 x index_topk (2048): the indexer's top-k is real
@@ -206,10 +210,12 @@ def test_avx512_bf16_required(monkeypatch):
     hook(SimpleNamespace(model_config=None))
 
 
-# --- one engine --------------------------------------------------------------------------------
+# --- engines: the plugin loaded (LLM, then lm-eval's model), and not loaded --------------------
 
-ENGINE_SCRIPT = """
-import time
+# Both engine scripts: the engine keyword arguments, the lightning indexer's top-k op counted,
+# greedy generation with logprobs, and the settings the engine ran with.
+_SETUP = """
+import gc, os, sys, time
 t0 = time.time()
 from vllm import LLM, SamplingParams
 import vllm._custom_ops as ops
@@ -218,7 +224,72 @@ res = {}
 kw = dict(dtype="bfloat16", enforce_eager=True, max_model_len=ARGS["max_model_len"],
           max_num_seqs=4, seed=0, kv_cache_memory_bytes=256 << 20,
           distributed_executor_backend="uni")
+calls = [0]
+topk_op = ops.topk_transform_512_cpu
+def counted(*a, **k):
+    calls[0] += 1
+    return topk_op(*a, **k)
+ops.topk_transform_512_cpu = counted
+sp = SamplingParams(temperature=0.0, max_tokens=ARGS["max_tokens"], logprobs=5,
+                    ignore_eos=True)
 
+def gen(llm, prompts):
+    t, c = time.time(), calls[0]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    return dict(s=time.time() - t, topk_calls=calls[0] - c,
+                tokens=[list(o.outputs[0].token_ids) for o in outs],
+                logprobs=[[{int(k): v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs]
+                          for o in outs])
+
+def boot():
+    t = time.time()
+    llm = LLM(model=ARGS["model"], **kw)
+    res["boot_s"] = time.time() - t
+    from vllm.triton_utils import dispatcher
+    res["registered"] = sorted(n for n, (_, impl) in dispatcher._registry.items()
+                               if getattr(impl, "__module__", "").startswith("ulacache_vllm"))
+    c = llm.llm_engine.vllm_config
+    res["config"] = dict(
+        block_size=c.cache_config.block_size, cache_dtype=str(c.cache_config.cache_dtype),
+        prefix_caching=c.cache_config.enable_prefix_caching,
+        num_blocks=c.cache_config.num_gpu_blocks,
+        chunked_prefill=c.scheduler_config.enable_chunked_prefill,
+        max_num_batched_tokens=c.scheduler_config.max_num_batched_tokens,
+        attention_backend=str(c.attention_config.backend))
+    return llm
+
+def loaded():
+    # What of ulacache this process holds: its modules, and the hooks (__ulacache_patch__
+    # names) on the functions and class attributes of every vLLM module loaded.
+    import vllm.plugins
+    res["plugins_loaded"] = vllm.plugins.plugins_loaded
+    res["VLLM_PLUGINS"] = os.environ.get("VLLM_PLUGINS")
+    res["ulacache_modules"] = sorted(m for m in sys.modules if m.startswith("ulacache_vllm"))
+    # (Plain functions, classmethods and staticmethods only, read through their __dict__: a
+    # module's lazy placeholders import on any attribute access.)
+    import types
+    hooks = set()
+    def mark(v):
+        if isinstance(v, (classmethod, staticmethod)):
+            mark(v.__func__)
+        if isinstance(v, (types.FunctionType, classmethod, staticmethod)):
+            h = vars(v).get("__ulacache_patch__")
+            if isinstance(h, str):
+                hooks.add(h)
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("vllm") or not isinstance(mod, types.ModuleType):
+            continue
+        for v in list(vars(mod).values()):
+            mark(v)
+            if isinstance(v, type):
+                for a in list(vars(v).values()):
+                    mark(a)
+    res["hooks"] = sorted(hooks)
+
+short, long = ARGS["short"], ARGS["long"]
+"""
+
+ENGINE_SCRIPT = _SETUP + """
 # 1. A CPU without AVX512-BF16: refused while the config is built, before any engine starts.
 # (The patch's probe is mocked, not torch's: vLLM picks the kernel library it loads with
 # torch's, and loading a second one aborts the process.)
@@ -233,38 +304,89 @@ except Exception as e:
 v4_cpu_isa.host_has_avx512_bf16 = probe
 res["refusal_s"] = time.time() - t0
 
-# 2. The real engine; the lightning indexer's top-k op counted.
-calls = [0]
-topk_op = ops.topk_transform_512_cpu
-def counted(*a, **k):
-    calls[0] += 1
-    return topk_op(*a, **k)
-ops.topk_transform_512_cpu = counted
+# 2. The real engine, ulacache's plugin loaded by vLLM as installed.
+llm = boot()
+res["short"] = gen(llm, short)
+res["long"] = gen(llm, [long])
+res["mixed"] = gen(llm, short + [long])
+res["long_again"] = gen(llm, [long])
+loaded()
+
+# 3. lm-eval's `vllm` model (lm_eval.models.vllm_causallms.VLLM, which builds its own LLM) on
+# the same model and engine settings, once the first engine is freed: greedy generate_until
+# on the short prompts' text, then the loglikelihood of their greedy continuations.
+del llm
+gc.collect()
+from vllm.distributed import cleanup_dist_env_and_memory
+cleanup_dist_env_and_memory()
 t = time.time()
-llm = LLM(model=ARGS["model"], **kw)
-res["boot_s"] = time.time() - t
-from vllm.triton_utils import dispatcher
-res["registered"] = sorted(n for n, (_, impl) in dispatcher._registry.items()
-                           if getattr(impl, "__module__", "").startswith("ulacache_vllm"))
-sp = SamplingParams(temperature=0.0, max_tokens=ARGS["max_tokens"], logprobs=5,
-                    ignore_eos=True)
-
-def gen(prompts):
-    t, c = time.time(), calls[0]
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    return dict(s=time.time() - t, topk_calls=calls[0] - c,
-                tokens=[list(o.outputs[0].token_ids) for o in outs],
-                logprobs=[[{int(k): v.logprob for k, v in d.items()} for d in o.outputs[0].logprobs]
-                          for o in outs])
-
-short, long = ARGS["short"], ARGS["long"]
-res["short"] = gen(short)
-res["long"] = gen([long])
-res["mixed"] = gen(short + [long])
-res["long_again"] = gen([long])
+from lm_eval.api.instance import Instance
+from lm_eval.models.vllm_causallms import VLLM
+lm = VLLM(pretrained=ARGS["model"], batch_size="auto", **kw)
+ev = res["lm_eval"] = dict(boot_s=time.time() - t)
+texts = ARGS["short_text"]
+ev["encoded"] = lm.tok_encode(list(texts))
+t = time.time()
+ev["generate_until"] = lm.generate_until(
+    [Instance("generate_until", {}, (x, {"until": [], "max_gen_toks": ARGS["max_tokens"],
+                                         "do_sample": False}), i) for i, x in enumerate(texts)],
+    disable_tqdm=True)
+# Each prompt's longest greedy prefix whose text lm-eval tokenizes back into those tokens (a
+# continuation's text can re-tokenize across the boundary differently).
+ev["scored"] = []
+for p, x, toks in zip(short, texts, res["short"]["tokens"]):
+    k = max([k for k in range(1, len(toks) + 1)
+             if lm.tok_encode(x + lm.tokenizer.decode(toks[:k])) == p + toks[:k]], default=0)
+    ev["scored"].append(k)
+ev["loglikelihood"] = [list(r) for r in lm.loglikelihood(
+    [Instance("loglikelihood", {}, (x, lm.tokenizer.decode(toks[:k])), i)
+     for i, (x, toks, k) in enumerate(zip(texts, res["short"]["tokens"], ev["scored"]))],
+    disable_tqdm=True)]
+ev["s"] = time.time() - t
 res["total_s"] = time.time() - t0
 emit(res)
 """
+
+# The same generations with ulacache's plugin not loaded (VLLM_PLUGINS names every other
+# general plugin), its import hook removed, and only V4's own fixes on this build applied by
+# hand: without them V4 does not run here at all.
+STOCK_SCRIPT = """
+# ulacache's install also puts a .pth import hook in site-packages that patches vLLM's front
+# end (LLM and EngineArgs keywords) as it is imported, plugins or not: taken out before vLLM is.
+import sys
+from ulacache_vllm.patches import import_hook
+sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, import_hook._PostImportFinder)]
+""" + _SETUP + """
+from ulacache_vllm.patches import v4_cpu_isa, v4_tile_scheduler, v4_triton_fallbacks
+for p in (v4_cpu_isa, v4_tile_scheduler, v4_triton_fallbacks):
+    p.apply()
+llm = boot()
+res["short"] = gen(llm, short)
+res["long"] = gen(llm, [long])
+res["mixed"] = gen(llm, short + [long])
+loaded()
+res["total_s"] = time.time() - t0
+emit(res)
+"""
+# What the stock run may import of ulacache: V4's three fixes, what they import, and the
+# (removed) import hook its .pth file imports at interpreter start.
+V4_FIX_HOOKS = ["v4_cpu_isa", "v4_tile_scheduler", "v4_triton_fallbacks"]
+V4_FIX_MODULES = {"ulacache_vllm", "ulacache_vllm.patches", "ulacache_vllm.patches._hook",
+                  "ulacache_vllm.patches.import_hook",
+                  "ulacache_vllm.patches.v4_cpu_isa", "ulacache_vllm.patches.v4_tile_scheduler",
+                  "ulacache_vllm.patches.v4_triton_fallbacks"}
+STOCK_TEST = "test_stock_v4_output_identical_without_ulacache_loaded"
+
+
+def general_plugins_but_ulacache() -> str:
+    """``VLLM_PLUGINS`` loading every installed ``vllm.general_plugins`` entry point but
+    ulacache's (vLLM loads a general plugin only if its name is in the comma-separated list; an
+    empty list parses to [""], which names none)."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="vllm.general_plugins")}
+    assert "ulacache" in names, f"ulacache's entry point is not installed: {sorted(names)}"
+    return ",".join(sorted(names - {"ulacache"}))
 
 
 @pytest.fixture(scope="module")
@@ -283,17 +405,46 @@ def v4_prompts(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def v4_run(tiny_model, v4_prompts):
+def v4_runs(request, tiny_model, v4_prompts):
+    """The plugin-loaded engine script and, when a selected test reads it, the stock one, side
+    by side (one core each on a 2-core host: the same thread count for both, and greedy decoding
+    does not depend on timing)."""
     short, long = v4_prompts
-    t = time.time()
-    res = run_vllm_script(ENGINE_SCRIPT, args=dict(
-        model=str(tiny_model(V4)), short=short, long=long, max_model_len=MAX_MODEL_LEN,
-        max_tokens=MAX_TOKENS), timeout=900, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    res["script_s"] = time.time() - t
-    print(f"\nV4 engine script: {res['script_s']:.1f} s (refusal at {res['refusal_s']:.1f} s, "
-          f"boot {res['boot_s']:.1f} s, short {res['short']['s']:.1f} s, long "
-          f"{res['long']['s']:.1f} s, mixed {res['mixed']['s']:.1f} s)")
-    return res
+    args = dict(model=str(tiny_model(V4)), short=short, long=long, short_text=SHORT_PROMPTS,
+                max_model_len=MAX_MODEL_LEN, max_tokens=MAX_TOKENS)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    scripts = [(ENGINE_SCRIPT, env)]
+    if STOCK_TEST in {item.originalname for item in request.session.items}:
+        scripts.append((STOCK_SCRIPT, {**env, "VLLM_PLUGINS": general_plugins_but_ulacache()}))
+
+    def call(script, env):
+        def run(bind):
+            t = time.time()
+            res = run_vllm_script(script, args=args, timeout=900, env={**env, **bind})
+            res["script_s"] = time.time() - t
+            return res
+        return run
+
+    runs = run_side_by_side(*(call(*x) for x in scripts))
+    r = runs[0]
+    print(f"\nV4 engine script: {r['script_s']:.1f} s (refusal at {r['refusal_s']:.1f} s, "
+          f"boot {r['boot_s']:.1f} s, short {r['short']['s']:.1f} s, long "
+          f"{r['long']['s']:.1f} s, mixed {r['mixed']['s']:.1f} s; lm-eval boot "
+          f"{r['lm_eval']['boot_s']:.1f} s, requests {r['lm_eval']['s']:.1f} s)")
+    if len(runs) > 1:
+        print(f"V4 stock script (plugin not loaded): {runs[1]['script_s']:.1f} s")
+    return runs
+
+
+@pytest.fixture(scope="module")
+def v4_run(v4_runs):
+    return v4_runs[0]
+
+
+@pytest.fixture(scope="module")
+def v4_stock_run(v4_runs):
+    assert len(v4_runs) == 2
+    return v4_runs[1]
 
 
 @pytest.mark.engine
@@ -346,3 +497,59 @@ def test_v4_agrees_with_transformers_reference(v4_run, v4_prompts, tiny_model):
     print("\n(prompt tokens, first-token max |dlogprob|, any-step max, greedy near-tie flips, "
           "routing-tie steps, their max):", report)
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.engine
+def test_stock_v4_output_identical_without_ulacache_loaded(v4_run, v4_stock_run):
+    """Issue 43's criterion: stock V4's greedy output is identical whether or not ulacache's
+    other patches are loaded. The comparison run loads none of them (the plugin left out by
+    VLLM_PLUGINS, the .pth import hook removed) and applies V4's three fixes by hand; the rest
+    of the script is the same."""
+    stock = v4_stock_run
+    # The plugin-loaded run holds ulacache's patches; the stock run V4's fixes only.
+    assert "ulacache_vllm.engine.plugin" in v4_run["ulacache_modules"]
+    assert {"llm_kwargs", "engine_args", "engine_config", "cpu_sparse_attention",
+            "cpu_mla_path"} <= set(v4_run["hooks"]), v4_run["hooks"]
+    assert set(V4_FIX_HOOKS) <= set(v4_run["hooks"])
+    assert stock["plugins_loaded"] and stock["VLLM_PLUGINS"] is not None
+    assert "ulacache" not in stock["VLLM_PLUGINS"].split(",")
+    assert set(stock["ulacache_modules"]) <= V4_FIX_MODULES, stock["ulacache_modules"]
+    assert stock["hooks"] == V4_FIX_HOOKS, stock["hooks"]
+    assert stock["registered"] == v4_run["registered"]
+    # The engine was configured the same (block size, cache layout, schedule, KV blocks).
+    assert stock["config"] == v4_run["config"]
+    for k in ("short", "long", "mixed"):  # short and > 2048-token prompts, alone and batched
+        assert stock[k]["tokens"] == v4_run[k]["tokens"], k
+        assert stock[k]["logprobs"] == v4_run[k]["logprobs"], k  # bit for bit
+        assert stock[k]["topk_calls"] == v4_run[k]["topk_calls"], k
+
+
+@pytest.mark.engine
+def test_lm_eval_vllm_model_serves_stock_v4(v4_run, v4_prompts, tiny_model):
+    """lm-eval's `vllm` model (its own LLM, the plugin loaded) on stock V4: generate_until gives
+    the text of LLM's greedy tokens, and loglikelihood scores each prompt's greedy continuation
+    (the longest prefix whose text re-tokenizes into the same tokens) as greedy, with the
+    logprobs LLM sampled it with."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    short, _ = v4_prompts
+    ev = v4_run["lm_eval"]
+    assert ev["encoded"] == short  # lm-eval tokenizes the prompts as LLM got them
+    tok = AutoTokenizer.from_pretrained(str(tiny_model(V4)))
+    toks = v4_run["short"]["tokens"]
+    for text, t in zip(ev["generate_until"], toks):
+        # lm-eval stops at EOS (its `until`); LLM ran with ignore_eos.
+        t = t[:t.index(tok.eos_token_id)] if tok.eos_token_id in t else t
+        assert text == tok.decode(t, skip_special_tokens=False), (text, t)
+    assert all(k >= 1 for k in ev["scored"]), ev["scored"]
+    diffs = []
+    for (ll, greedy), k, t, lps in zip(ev["loglikelihood"], ev["scored"], toks,
+                                       v4_run["short"]["logprobs"]):
+        expected = sum(step[str(x)] for step, x in zip(lps, t[:k]))
+        assert greedy is True and math.isfinite(ll), (ll, greedy)
+        diffs.append(abs(ll - expected) / k)
+    print("\nlm-eval loglikelihood vs LLM's logprobs: tokens scored", ev["scored"],
+          "max |diff| per token", max(diffs))
+    assert max(diffs) < 2e-2, diffs
