@@ -8,6 +8,7 @@ a DeepSeek-V3 dense-MLA twin of a DeepSeek-V3.2 DSA model: same tensors minus th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -219,11 +220,7 @@ def build_model(
         info["weights_from"] = json.loads(src_info.read_text()) if src_info.exists() else str(src)
     kwargs.update(overrides)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so a half-written directory is never seen.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the model dir is meant to be shared
+    with _staged(out) as tmp:
         special_ids = save_tokenizer(tmp, kwargs["vocab_size"])
         config = _make_config(name, kwargs, special_ids)
         _random_weights(config, tmp, seed)
@@ -238,12 +235,6 @@ def build_model(
             cfg["num_nextn_predict_layers"] = int(kwargs["num_nextn_predict_layers"])
             _write_json(tmp / "config.json", cfg)
         _write_json(tmp / BUILD_INFO, info)
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 
@@ -258,21 +249,29 @@ def _build_direct(name: str, outdir, *, overrides, seed: int, weights_from) -> P
         raise FileExistsError(f"{out} exists and was not written by build_model")
     overrides = dict(overrides or {})
     mod.make_config(overrides, {})  # refuse a bad config before any work
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tmp.chmod(0o755)
+    with _staged(out) as tmp:
         vocab = overrides.get("vocab_size", mod.DEFAULTS["vocab_size"])
         special_ids = save_tokenizer(tmp, vocab)
         mod.write(tmp, overrides, seed, special_ids)
         _write_json(tmp / BUILD_INFO, {"name": name, "seed": seed, "overrides": overrides})
+    return out
+
+
+@contextlib.contextmanager
+def _staged(out: Path):
+    """A fresh directory beside ``out`` that replaces it when the block succeeds and is
+    removed when it fails: a half-written model directory is never seen."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model dir is meant to be shared
+        yield tmp
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def build_dense_twin(dsa_dir: str | os.PathLike, outdir: str | os.PathLike) -> Path:
