@@ -32,7 +32,9 @@ def parser() -> argparse.ArgumentParser:
         description="Concurrent requests of one length that fit a cluster: stock vLLM, "
                     "HiSparse (host copy per rank; vLLM 0.32's shared host pool), ulacache "
                     "(DP engines; TP shard). Computed with the engine's own sizing code "
-                    "(ulacache_vllm.engine.dsa.sizing.plan_layout) and vLLM's.")
+                    "(ulacache_vllm.engine.dsa.sizing.plan_layout) and vLLM's. DeepSeek-V4: "
+                    "stock against ulacache's planned V4 line (v4.py), checked against "
+                    "vLLM's own functions.")
     p.add_argument("model", help=f"a preset ({', '.join(MODEL_PRESETS)}), a config.json, "
                                  f"or a model directory")
     c = p.add_argument_group("cluster")
@@ -76,6 +78,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-tokens", type=request_tokens, default=128 << 10,
                    help="tokens per request, prompt + output (default 128K = 131072)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("--no-vllm-check", action="store_true",
+                   help="DeepSeek-V4: skip comparing the planner's arithmetic with vLLM's own "
+                        "grouping and the engine's plan_arena (no vLLM import; same figures)")
     return p
 
 
@@ -97,7 +102,7 @@ def plans_from_args(args: argparse.Namespace):
     presets = args.cluster or ([None] if args.gpus else [DEFAULT_CLUSTER])
     return [plan(model, make_cluster(c, **given), args.request_tokens, kv_dtype=args.kv_dtype,
                  experts_over=args.experts_over, block_size=args.block_size,
-                 ula_host_pool_gib=args.ula_host_pool_gib)
+                 ula_host_pool_gib=args.ula_host_pool_gib, check_vllm=not args.no_vllm_check)
             for c in presets]
 
 

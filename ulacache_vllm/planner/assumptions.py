@@ -11,7 +11,8 @@ if TYPE_CHECKING:
     from .records import Plan
 
 
-def assumptions(p: Plan, experts_over: str) -> list[str]:
+def head(p: Plan, experts_over: str) -> list[str]:
+    """The lines every plan starts with: notes, cluster, weights, KV budget, request length."""
     m, cl, L = p.model, p.cluster, p.request_tokens
     ep = cl.tp * cl.dp if experts_over == "gpus" else cl.tp
     out = list(m.notes) + list(cl.notes)
@@ -37,6 +38,16 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
             f"(--activation-reserve-gib)")
     out.append(f"every request is {L} tokens (prompt + output) and is the engine's "
                f"max_model_len; counts are concurrent requests whose KV fits, not throughput")
+    return out
+
+
+TAIL = ("not modelled: prefix-cache reuse, speculative decoding, fragmentation from mixed "
+        "request lengths, PCIe / NVLink bandwidth (capacity only)")
+
+
+def assumptions(p: Plan, experts_over: str) -> list[str]:
+    m, cl = p.model, p.cluster
+    out = head(p, experts_over)
     if m.kind == "dsa":
         mla = sum(s.page_size_bytes for n, s in dsa_specs(m, p.kv_dtype, 1).items()
                   if not n.endswith("k_cache"))
@@ -136,6 +147,5 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
                 f"in its own {ARENA_BLOCK_SIZE}-token pages"))
         out.append("HiSparse and the ulacache DP / TP shard rows do not apply (they serve DSA "
                    "sparse-MLA models)")
-    out.append("not modelled: prefix-cache reuse, speculative decoding, fragmentation from "
-               "mixed request lengths, PCIe / NVLink bandwidth (capacity only)")
+    out.append(TAIL)
     return out

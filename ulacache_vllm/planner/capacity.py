@@ -10,11 +10,13 @@ per-rank layer specs each engine would build, the budget). A vLLM block pool's n
 the arena's null page are never counted as capacity. DSA plans deploy the same GPUs twice: as
 the cluster's TP-P engines and as DP engines of TP 1 (`dp_plan`); multiples are requests that
 fit, taken against the vLLM row holding the most (`Plan.anchor_key`) and against stock.
+DeepSeek-V4 is the exception (`v4.py`): no engine sizing exists for its planned line yet, so
+its figures are the planner's arithmetic, compared with vLLM's own functions and the engine's
+`plan_arena` before they are printed.
 """
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
 from typing import Any
 
 from .assumptions import assumptions
@@ -22,6 +24,7 @@ from .budget import GIB, hisparse_shared_ranks, kv_budget, weights_per_gpu  # no
 from .model import ModelShape, PlannerError, arena_specs, dsa_specs, hybrid_specs, kv_dtype_of
 from .presets import CLUSTER_PRESETS
 from .records import ULA_KEYS, VLLM_KEYS, Cluster, Plan, Row  # noqa: F401  (re-exported)
+from .standin import vllm_config  # noqa: F401  (re-exported: tests build it from here)
 
 DSA_BLOCK_SIZE = 64  # FlashMLA sparse (DeepSeek-V3.2 / GLM DSA on GPU) reads 64-token pages
 
@@ -75,55 +78,6 @@ def make_cluster(preset: str | None = None, **given: Any) -> Cluster:
     if not 0 < fields.get("gpu_util", 0.9) <= 1:
         raise PlannerError("--gpu-util must be in (0, 1] (vLLM's gpu_memory_utilization)")
     return Cluster(**fields)
-
-
-# ---------------------------------------------------------------- the VllmConfig stand-in
-
-class _CacheConfig:
-    num_gpu_blocks_override = None
-    prefix_cache_retention_interval = None
-
-    def __init__(self, layout: str, mamba_cache_mode: str):
-        self.kv_cache_layout = layout
-        self.mamba_cache_mode = mamba_cache_mode
-
-    def get_resolved_kv_cache_layout(self):
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-
-        return KVCacheLayout[self.kv_cache_layout]
-
-
-def vllm_config(model: ModelShape, cluster: Cluster, request_tokens: int, *,
-                layout: str = "LBHNC", hisparse: bool = False, mamba_cache_mode: str = "none"):
-    """The fields of `VllmConfig` that vLLM's sizing functions and `plan_layout` read, for one
-    engine of ``cluster`` serving requests of ``request_tokens`` (= max_model_len)."""
-    from ulacache_vllm.engine.dsa.sizing import DEFAULTED_KEY
-
-    hf = SimpleNamespace(**model.config)
-    hisparse_config = None
-    if hisparse:
-        from vllm.config.attention import HiSparseConfig
-
-        hisparse_config = HiSparseConfig()
-    sched = SimpleNamespace(
-        max_num_batched_tokens=cluster.max_num_batched_tokens,
-        max_num_scheduled_tokens=cluster.max_num_batched_tokens,
-        enable_chunked_prefill=cluster.chunked_prefill, max_num_seqs=cluster.max_num_seqs,
-        disable_hybrid_kv_cache_manager=False)
-    return SimpleNamespace(
-        model_config=SimpleNamespace(max_model_len=request_tokens, hf_config=hf,
-                                     hf_text_config=hf),
-        scheduler_config=sched,
-        cache_config=_CacheConfig(layout, mamba_cache_mode),
-        parallel_config=SimpleNamespace(
-            tensor_parallel_size=cluster.tp, data_parallel_size=cluster.dp,
-            pipeline_parallel_size=1, decode_context_parallel_size=1,
-            prefill_context_parallel_size=1),
-        attention_config=SimpleNamespace(hisparse_config=hisparse_config),
-        speculative_config=None, max_concurrent_batches=1,
-        max_in_flight_tokens=cluster.max_num_batched_tokens,
-        additional_config={DEFAULTED_KEY: ["max_num_batched_tokens"]}
-        if cluster.batch_tokens_defaulted else {})
 
 
 # ---------------------------------------------------------------- schemes
@@ -337,7 +291,10 @@ def dp_rows(p: Plan, specs: dict) -> list[Row]:
 
 def plan(model: ModelShape, cluster: Cluster, request_tokens: int, *,
          kv_dtype: str | None = None, experts_over: str = "gpus",
-         block_size: int | None = None, ula_host_pool_gib: float | None = None) -> Plan:
+         block_size: int | None = None, ula_host_pool_gib: float | None = None,
+         check_vllm: bool = True) -> Plan:
+    """``check_vllm`` (DeepSeek-V4 only): compare its arithmetic with vLLM's own functions
+    first (imports vLLM); the other models always size through vLLM's and the engine's code."""
     if request_tokens < 1:
         raise PlannerError("--request-tokens must be at least 1")
     if model.max_len and request_tokens > model.max_len:
@@ -348,6 +305,12 @@ def plan(model: ModelShape, cluster: Cluster, request_tokens: int, *,
     if experts_over not in ("gpus", "tp"):
         raise PlannerError("--experts-over must be 'gpus' (expert parallelism over TP x DP) "
                            "or 'tp'")
+    if model.kind == "v4":  # DeepSeek-V4: its own rows and per-kind figures (v4.py)
+        from .v4 import plan_v4
+
+        return plan_v4(model, cluster, request_tokens, kv_dtype=kv_dtype,
+                       experts_over=experts_over, block_size=block_size,
+                       ula_host_pool_gib=ula_host_pool_gib, check=check_vllm)
     kvd = kv_dtype_of(model, kv_dtype)
     budget, w = kv_budget(model, cluster, experts_over)
     bs = block_size or (DSA_BLOCK_SIZE if model.kind == "dsa" else 16)

@@ -1,6 +1,7 @@
 """A model as the planner sees it: its config.json fields, its kind (DSA, GDN hybrid,
-sliding-window hybrid), its parameter split (dense / routed experts) and the per-rank KV
-cache specs vLLM would build for it. vLLM is imported only inside the spec builders."""
+sliding-window hybrid, DeepSeek-V4), its parameter split (dense / routed experts) and the
+per-rank KV cache specs vLLM would build for it. vLLM is imported only inside the spec
+builders (DeepSeek-V4's caches: ``v4_layout``, plain arithmetic)."""
 from __future__ import annotations
 
 import json
@@ -9,18 +10,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .errors import PlannerError
 from .presets import MODEL_PRESETS
-
-
-class PlannerError(ValueError):
-    """A bad planner input; the message names the fix."""
+from .v4_layout import v4_params
 
 
 @dataclass
 class ModelShape:
     name: str
     config: dict[str, Any]
-    kind: str  # "dsa" | "gdn" | "swa"
+    kind: str  # "dsa" | "gdn" | "swa" | "v4"
     dense_params: int
     expert_params: int
     weights_dtype: str = "bf16"
@@ -66,7 +65,10 @@ def load_model(model: str | Path, params_b: float | None = None,
         name = str(path.parent.name or path)
         mdt = _short(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
         quant = (cfg.get("quantization_config") or {}).get("quant_method", "")
-        if quant == "fp8":
+        if quant == "fp8" and model_kind(cfg) == "v4":  # vLLM's DeepseekV4FP8Config
+            experts = "mxfp4" if cfg.get("expert_dtype", "fp4") == "fp4" else "fp8"
+            dt = dict(weights_dtype="fp8", expert_weights_dtype=experts, kv_dtype="auto")
+        elif quant == "fp8":
             dt = dict(weights_dtype="fp8", expert_weights_dtype="fp8", kv_dtype="auto")
         elif quant == "mxfp4":
             dt = dict(weights_dtype=mdt, expert_weights_dtype="mxfp4", kv_dtype="auto")
@@ -88,6 +90,11 @@ def _short(dtype: str) -> str:
 
 
 def model_kind(cfg: dict[str, Any]) -> str:
+    if cfg.get("model_type") == "deepseek_v41":
+        raise PlannerError("DeepSeek-V4.1 (layer-shared KV and top-k, C1A/C2A layers) is not "
+                           "modelled; DeepSeek-V4 (model_type deepseek_v4) is.")
+    if cfg.get("model_type") == "deepseek_v4" or "compress_ratios" in cfg:
+        return "v4"
     if cfg.get("index_topk"):
         return "dsa"
     types = set(cfg.get("layer_types") or ())
@@ -98,8 +105,9 @@ def model_kind(cfg: dict[str, Any]) -> str:
     raise PlannerError(
         f"model type {cfg.get('model_type')!r} ({', '.join(cfg.get('architectures') or [])}) "
         f"is not one the planner models: DSA sparse-MLA models (config with index_topk: "
-        f"DeepSeek-V3.2, GLM-5), Gated-DeltaNet hybrids (Qwen3-Next) and sliding-window "
-        f"hybrids (gpt-oss). Pass one of those, or a preset: {', '.join(MODEL_PRESETS)}.")
+        f"DeepSeek-V3.2, GLM-5), DeepSeek-V4, Gated-DeltaNet hybrids (Qwen3-Next) and "
+        f"sliding-window hybrids (gpt-oss). Pass one of those, or a preset: "
+        f"{', '.join(MODEL_PRESETS)}.")
 
 
 # ---------------------------------------------------------------- parameters (dense, experts)
@@ -109,7 +117,7 @@ def count_params(cfg: dict[str, Any], kind: str) -> tuple[int, int]:
     left out (well under 0.1%), MTP / next-n layers too (not loaded without speculation)."""
     try:
         return {"dsa": _mla_moe_params, "gdn": _qwen3_next_params,
-                "swa": _gpt_oss_params}[kind](cfg)
+                "swa": _gpt_oss_params, "v4": v4_params}[kind](cfg)
     except KeyError as e:
         raise PlannerError(
             f"config lacks {e} needed to count parameters; pass --params-b (and "
@@ -209,6 +217,11 @@ def _torch_dtype(name: str):
 def kv_dtype_of(shape: ModelShape, kv_dtype: str | None) -> str:
     """The KV dtype name in effect ('auto' resolves to the model dtype)."""
     name = (kv_dtype or shape.kv_dtype or "auto").lower()
+    if shape.kind == "v4":
+        if name == "auto" or name in _FP8:  # vLLM's V4 turns auto / fp8 into fp8_ds_mla
+            return "fp8_ds_mla"
+        raise PlannerError(f"--kv-dtype {name}: the planner models DeepSeek-V4's fp8_ds_mla "
+                           f"cache only (vLLM's FlashMLA path; 'auto' becomes fp8_ds_mla)")
     if name == "auto":
         name = _short(shape.model_dtype)
     if shape.kind == "dsa" and name in _FP8:

@@ -64,6 +64,22 @@ def _gpt_oss_120b() -> dict[str, Any]:
         max_position_embeddings=131072, tie_word_embeddings=False, torch_dtype="bfloat16")
 
 
+def _deepseek_v4_flash() -> dict[str, Any]:
+    # DeepSeek-V4-Flash's published config.json (the legacy keys vLLM's V4 reads). Its 44
+    # compress_ratios are the 43 decoder layers' (2 sliding-window only, then CSA / HCA
+    # alternating: 21 CSA, 20 HCA) and the MTP layer's trailing 0.
+    return dict(
+        architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4",
+        vocab_size=129280, hidden_size=4096, moe_intermediate_size=2048,
+        num_hidden_layers=43, num_attention_heads=64, num_key_value_heads=1, head_dim=512,
+        qk_rope_head_dim=64, q_lora_rank=1024, o_lora_rank=1024, o_groups=8,
+        sliding_window=128, compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0],
+        index_topk=512, index_n_heads=64, index_head_dim=128, n_routed_experts=256,
+        n_shared_experts=1, num_experts_per_tok=6, num_hash_layers=3, hc_mult=4,
+        max_position_embeddings=1048576, num_nextn_predict_layers=1, expert_dtype="fp4",
+        tie_word_embeddings=False, torch_dtype="bfloat16")
+
+
 MODEL_PRESETS: dict[str, ModelPreset] = {
     "deepseek-v3.2": ModelPreset(
         _deepseek_v32(), "fp8", "fp8", "fp8",
@@ -75,6 +91,12 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         "256 experts, ~744B params); assumed: an indexer on every layer, DeepSeek-V3.2's "
         "cache formats (MLA row 512+64 -> fp8_ds_mla 656 B, indexer 128 fp8 + 4 B scale), "
         "FP8 weights, MTP layer not loaded"),
+    "deepseek-v4-flash": ModelPreset(
+        _deepseek_v4_flash(), "fp8", "mxfp4", "fp8",
+        "DeepSeek-V4-Flash config.json shapes (284B params: 43 layers = 2 sliding-window only + "
+        "21 CSA + 20 HCA, hidden 4096, 256 experts); FP8 weights with MXFP4 routed experts "
+        "(vLLM's DeepseekV4FP8Config, expert_dtype fp4); the MTP layer is not loaded (no "
+        "speculative decoding)"),
     "qwen3-next-80b": ModelPreset(
         _qwen3_next_80b(), "bf16", "bf16", "auto",
         "Qwen3-Next-80B-A3B: 36 Gated-DeltaNet + 12 full-attention layers (GQA, 2 KV "

@@ -59,6 +59,7 @@ class Plan:
     assumptions: list[str] = field(default_factory=list)
     ula_host_pool_gib: float | None = None  # given; else the largest that starts
     dp_engines: Plan | None = None  # DSA: the same GPUs as DP engines of TP 1 (its budget)
+    extra: Any = None  # DeepSeek-V4: the per-kind figures (`v4.V4Detail`)
 
     def row(self, key: str) -> Row:
         return next(r for r in self.rows if r.key == key)
@@ -66,7 +67,7 @@ class Plan:
     @property
     def base_key(self) -> str:
         """Stock vLLM without a host tier on the cluster's own engines (DP engines at TP 1)."""
-        if self.model.kind != "dsa":
+        if self.model.kind not in ("dsa", "v4"):
             return "hma_stock"
         return "stock" if self.row("stock").error is None else "stock_dp"
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from .budget import GIB
 from .records import ULA_KEYS, Plan, Row
+from .v4_report import detail_json, sections
 
 
 def _fmt_int(v: int | None) -> str:
@@ -58,7 +59,7 @@ def assumptions(plan: Plan) -> str:
 def comparison(plans: list[Plan]) -> str:
     """Per ulacache row, its multiple over the strongest vLLM row, over vLLM 0.32's HiSparse
     with one host pool per node, and over stock, on each cluster (DSA plans)."""
-    if not plans or plans[0].model.kind != "dsa":
+    if not plans or plans[0].model.kind not in ("dsa", "v4"):
         return ""
     out = ["ulacache against vLLM 0.32, cluster-wide: requests that fit, not throughput "
            "(ratio, extra concurrent requests):"]
@@ -85,6 +86,8 @@ def render(plans: list[Plan]) -> str:
     blocks = []
     for p in plans:
         blocks.append(table(p))
+        if p.model.kind == "v4":  # per-kind bytes, physical bound, startup figures, sweep
+            blocks.append(sections(p))
         blocks.append(assumptions(p))
     cmp = comparison(plans)
     if cmp:
@@ -111,4 +114,6 @@ def to_json(plans: list[Plan]) -> list[dict[str, Any]]:
                      for r in p.rows],
             "assumptions": p.assumptions,
         })
+        if p.model.kind == "v4":
+            out[-1]["v4"] = detail_json(p)
     return out
