@@ -31,6 +31,9 @@ def test_a_changed_upstream_body_or_version_fails_loudly(monkeypatch):
 @pytest.mark.parametrize("kw", [{"reserved_blocks": 2}, {"skip_zeroing_group_ids": (1,)},
                                 {"num_external_computed_tokens": 16}])
 def test_async_load_arguments_are_refused_not_dropped(kw):
+    from types import SimpleNamespace
+
     m = manager.ArenaKVCacheManager.__new__(manager.ArenaKVCacheManager)
+    m._state = SimpleNamespace(owner=None)  # (the refusal comes before any manager state)
     with pytest.raises(NotImplementedError, match="external KV"):
-        m.allocate_slots(object(), 16, **kw)
+        m.allocate_slots(SimpleNamespace(request_id="r"), 16, **kw)

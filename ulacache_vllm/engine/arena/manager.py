@@ -81,9 +81,11 @@ def check_upstream_allocate_slots() -> None:
             f"(and update UPSTREAM_ALLOCATE_SLOTS)")
 
 
+check_upstream_allocate_slots()  # at import: the method as vLLM ships it, before any wrapper
+
+
 class ArenaKVCacheManager(LineManager, KVCacheManager):
     def __init__(self, kv_cache_config, *args, **kwargs):
-        check_upstream_allocate_slots()
         layout = layout_of(kv_cache_config)
         # vLLM's coordinator builds one block object per block: give it a one-block config
         # (only its null block), then swap every pool for an arena pool.
