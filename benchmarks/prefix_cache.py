@@ -31,6 +31,32 @@ Two more workloads (``--workload``), same three configurations:
 
 Writes ``prefix_cache[_<workload>][_quick].json`` (per configuration: results, metrics,
 server command line; the host) and ``.png`` into ``--out`` (default benchmarks/results/).
+
+``--hybrid``: hybrid models under the arena (`--kv-backend ulacache`) against stock vLLM, all
+with prefix caching on and the same KV memory (``HYBRID``: sized so the workloads outgrow
+it): tiny GPT-OSS (sliding window + full attention, float32), Gemma 3 (5 windows : 1 full,
+float32) and Qwen3-Next (GDN state + full attention, bf16). Configurations: ulacache, stock
+at its default block size (128 tokens on the CPU build; the GDN-aligned block for
+Qwen3-Next) and stock at 32-token blocks (its best for GPT-OSS and Gemma 3; Qwen3-Next's block
+is not the user's to choose). Each configuration runs in an engine of its own (offline
+``LLM``, in-process core), ``--repeats`` times (prefix cache reset in between), two workloads:
+
+- ``shared``: a few ~3k-token prefixes in two waves of single-turn prompts, 4 at a time: the
+  first wave sends each prefix with two tails, the second with two new tails plus one
+  prompt of the first wave again;
+- ``chat``: multi-turn conversations, turn-major (every conversation's turn t before any
+  turn t+1), 4 at a time, each turn the whole history plus a new user message.
+
+Per wave / turn: hit tokens (vLLM's ``num_cached_tokens``), prompt tokens, prompt tokens
+computed, TTFT (arrival to first token; mean and median), a digest of the generated tokens
+(equal across configurations: token-exact; Qwen3-Next's bf16 GDN path is not batch-invariant
+on the CPU build, so its digests may differ), and the arena's counters (compactions, cached
+pages moved, cache evictions).
+
+    python benchmarks/prefix_cache.py --hybrid                 # all three models, 2 repeats
+    python benchmarks/prefix_cache.py --hybrid --models gpt_oss --repeats 3
+
+Writes ``prefix_cache_hybrid[_quick].json`` into ``--out``.
 """
 from __future__ import annotations
 
@@ -259,7 +285,198 @@ def report(wl: str, rows: list[dict]) -> None:
               f"(same device budget, same run)")
 
 
+# ------------------------------------------------------------ hybrid models (the arena)
+# name: (tiny-model overrides, dtype, KV bytes for every configuration (under pressure),
+# max_num_batched_tokens). A prefill chunk holds a window page for each of its tokens until
+# the next step (vLLM's sliding-window rule, stock and arena alike): Gemma 3's five window
+# layers take 1024-token chunks, or one chunk's window pages would be most of the memory.
+HYBRID = {
+    "gpt_oss": ({"initializer_range": 0.1}, "float32", 28 << 20, 4096),
+    "gemma3": ({"initializer_range": 0.1, "tie_word_embeddings": False}, "float32", 12 << 20,
+               1024),
+    "qwen3_next": ({}, "bfloat16", 10 << 20, 4096),
+}
+HYBRID_CONFIGS = (("ulacache", {"kv_backend": "ulacache"}),
+                  ("stock", {"kv_backend": "vllm"}),
+                  ("stock-bs32", {"kv_backend": "vllm", "block_size": 32}))
+HYBRID_MARK = "@@PREFIX_HYBRID@@"
+ARENA_FIGURES = ("compactions", "relayouts", "cached_pages_moved", "cache_evictions")
+
+
+def hybrid_worker(cfg: dict) -> dict:
+    """One engine (in this process): both workloads ``cfg["repeats"]`` times."""
+    import random
+    import statistics
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    w = cfg["workload"]
+    llm = LLM(model=cfg["model"], dtype=cfg["dtype"], enforce_eager=True,
+              max_model_len=w["max_model_len"], max_num_batched_tokens=cfg["batch_tokens"], enable_chunked_prefill=True,
+              enable_prefix_caching=True, seed=0, max_num_seqs=4, disable_log_stats=False,
+              kv_cache_memory_bytes=cfg["kv_bytes"], **cfg["kw"])
+    cc = llm.llm_engine.vllm_config.cache_config
+    ula = cfg["kw"].get("kv_backend") == "ulacache"
+
+    def arena() -> dict:
+        ms = {m.name: getattr(m, "value", 0) for m in llm.get_metrics()}
+        return {f: ms.get(f"vllm:ulacache_arena_{f}", 0) for f in ARENA_FIGURES} if ula else {}
+
+    def run(name: str, prompts: list[list[int]], out_len: int, rows: list) -> list[list[int]]:
+        before = arena()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True),
+                            use_tqdm=False)
+        hit = sum(o.num_cached_tokens for o in outs)
+        # Engine-core clock: queued (in the scheduler) to first token, and scheduled to
+        # first token (the prefill itself, queueing behind other requests left out).
+        ms = [o.metrics for o in outs if o.metrics is not None and o.metrics.first_token_ts]
+        ttft = [1000 * (m.first_token_ts - m.queued_ts) for m in ms]
+        prefill = [1000 * (m.first_token_ts - m.scheduled_ts) for m in ms]
+        gen = [list(o.outputs[0].token_ids) for o in outs]
+        after = arena()
+        rows.append({"phase": name, "prompts": len(prompts),
+                     "prompt_tokens": sum(map(len, prompts)), "hit_tokens": hit,
+                     "computed_tokens": sum(map(len, prompts)) - hit,
+                     "hits": [o.num_cached_tokens for o in outs],
+                     "ttft_ms_mean": statistics.fmean(ttft) if ttft else None,
+                     "ttft_ms_median": statistics.median(ttft) if ttft else None,
+                     "prefill_ms_mean": statistics.fmean(prefill) if prefill else None,
+                     "timed": len(ms),
+                     "arena": {k: after[k] - before[k] for k in after},
+                     "digest": hashlib.sha256(json.dumps(gen).encode()).hexdigest()[:12]})
+        return gen
+
+    repeats = []
+    for _ in range(cfg["repeats"]):
+        rows: list = []
+        rng = random.Random(0)  # the same prompts in every repeat and configuration
+        ids = lambda n: [rng.randrange(16, 1000) for _ in range(n)]  # noqa: E731
+        assert llm.reset_prefix_cache()
+        heads = [ids(n) for n in w["prefix_lens"]]
+        first = [h + ids(t) for h in heads for t in w["tails"][0]]
+        run("shared/wave1", first, w["out"], rows)
+        run("shared/wave2", [h + ids(t) for h in heads for t in w["tails"][1]] + first[:1],
+            w["out"], rows)
+        assert llm.reset_prefix_cache()
+        hist = [ids(w["chat_first"]) for _ in range(w["chats"])]
+        for t in range(w["turns"]):
+            prompts = [h + (ids(w["chat_user"]) if t else []) for h in hist]
+            outs = run(f"chat/turn{t + 1}", prompts, w["chat_out"], rows)
+            hist = [p + o for p, o in zip(prompts, outs)]
+        repeats.append(rows)
+    return {"block_size": cc.block_size, "num_gpu_blocks": cc.num_gpu_blocks,
+            "repeats": repeats}
+
+
+def hybrid_workload(quick: bool) -> dict:
+    if quick:
+        return {"prefix_lens": [1500, 1537, 1574], "tails": [[40, 49], [50, 57]], "out": 16,
+                "chats": 8, "turns": 3, "chat_first": 512, "chat_user": 48, "chat_out": 16,
+                "kv_scale": 0.5, "max_model_len": 2048}
+    return {"prefix_lens": [3000, 3037, 3074], "tails": [[40, 49], [50, 57]], "out": 32,
+            "chats": 10, "turns": 4, "chat_first": 768, "chat_user": 64, "chat_out": 32,
+            "kv_scale": 1.0, "max_model_len": 4096}
+
+
+def run_hybrid(a) -> None:
+    from _host import cpu_host
+
+    wl = hybrid_workload(a.quick)
+    models = a.models.split(",")
+    out = {"host": cpu_host(), "workload": wl, "repeats": a.repeats, "models": {}}
+    for name in models:
+        overrides, dtype, kv_bytes, batch_tokens = HYBRID[name]
+        kv_bytes = int(kv_bytes * wl["kv_scale"])
+        model = _hybrid_model(name, overrides)
+        rows = out["models"].setdefault(name, {"dtype": dtype, "kv_bytes": kv_bytes,
+                                               "max_num_batched_tokens": batch_tokens,
+                                               "configs": {}})
+        for cname, kw in HYBRID_CONFIGS:
+            if name == "qwen3_next" and "block_size" in kw:
+                continue  # the GDN-aligned block is not the user's to choose
+            cfg = {"model": model, "dtype": dtype, "kv_bytes": kv_bytes, "kw": kw,
+                   "batch_tokens": batch_tokens,
+                   "workload": wl, "repeats": a.repeats}
+            print(f"[prefix_cache --hybrid] {name} / {cname}", flush=True)
+            res = _hybrid_subprocess(cfg, a.timeout)
+            rows["configs"][cname] = res
+            _hybrid_report(name, cname, res)
+    stem = "prefix_cache_hybrid" + ("_quick" if a.quick else "")
+    path = Path(a.out) / f"{stem}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"args": vars(a), **out}, indent=1, default=str))
+    _hybrid_summary(out)
+    print(f"wrote {path}")
+
+
+def _hybrid_model(name: str, overrides: dict) -> str:
+    from ulacache_vllm.models import build_model
+
+    path = Path(__file__).resolve().parents[1] / "models_cache" / f"bench-{name}-prefix"
+    if not (path / "config.json").exists():
+        build_model(name, path, overrides=overrides or None)
+    return str(path)
+
+
+def _hybrid_subprocess(cfg: dict, timeout: float) -> dict:
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.pop("TRITON_INTERPRET", None)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the worker process
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t = time.perf_counter()
+    run = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--hybrid-worker",
+                          json.dumps(cfg)], env=env, capture_output=True, text=True,
+                         timeout=timeout)
+    for line in run.stdout.splitlines():
+        if line.startswith(HYBRID_MARK):
+            res = json.loads(line[len(HYBRID_MARK):])
+            res["process_s"] = round(time.perf_counter() - t, 1)
+            return res
+    raise RuntimeError(f"hybrid worker failed (exit {run.returncode}):\n{run.stderr[-4000:]}")
+
+
+def _phase_totals(rows: list[dict], prefix: str) -> dict:
+    sel = [r for r in rows if r["phase"].startswith(prefix)]
+    return {"hit_tokens": sum(r["hit_tokens"] for r in sel),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in sel),
+            "computed_tokens": sum(r["computed_tokens"] for r in sel),
+            "ttft_ms_mean": sum((r["ttft_ms_mean"] or 0) * r["prompts"] for r in sel)
+            / max(1, sum(r["prompts"] for r in sel)),
+            "digests": [r["digest"] for r in sel]}
+
+
+def _hybrid_report(name: str, cname: str, res: dict) -> None:
+    for i, rows in enumerate(res["repeats"]):
+        for wl in ("shared", "chat"):
+            t = _phase_totals(rows, wl)
+            print(f"  {name:<10} {cname:<10} bs={res['block_size']:<4} rep {i} {wl:<6} "
+                  f"hit {t['hit_tokens']:>6} / {t['prompt_tokens']:>6}  computed "
+                  f"{t['computed_tokens']:>6}  TTFT mean {t['ttft_ms_mean']:8.1f} ms", flush=True)
+
+
+def _hybrid_summary(out: dict) -> None:
+    print("\nhit tokens, ulacache / stock (each repeat):")
+    for name, m in out["models"].items():
+        cfgs = m["configs"]
+        for wl in ("shared", "chat"):
+            ula = [_phase_totals(r, wl)["hit_tokens"] for r in cfgs["ulacache"]["repeats"]]
+            for base in ("stock", "stock-bs32"):
+                if base not in cfgs:
+                    continue
+                ref = [_phase_totals(r, wl)["hit_tokens"] for r in cfgs[base]["repeats"]]
+                ratio = " ".join(f"{u / r:.2f}x" if r else f"{u}/0" for u, r in zip(ula, ref))
+                print(f"  {name:<10} {wl:<6} vs {base:<10} {ratio}")
+
+
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--hybrid-worker":
+        res = hybrid_worker(json.loads(sys.argv[2]))
+        print(HYBRID_MARK + json.dumps(res), flush=True)
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--serve":  # StatsServer: `vllm serve ARGS`
         export_preempted_stats()
         from vllm.entrypoints.cli.main import main as vllm_main
@@ -295,7 +512,15 @@ def main() -> None:
                     help="prefix: 6 prefixes x 6 prompts, 8 out; multiturn: 8 conversations "
                          "x 4 turns; preempt: 24 prompts, 192 out")
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--hybrid", action="store_true",
+                    help="hybrid models under the arena against stock (see the module doc)")
+    ap.add_argument("--models", default=",".join(HYBRID), help="--hybrid: models to run")
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="--hybrid: runs of both workloads per engine (cache reset between)")
     a = ap.parse_args()
+    if a.hybrid:
+        run_hybrid(a)
+        return
     if a.quick:
         a.num_prefixes, a.prompts, a.output_len = 6, 36, 8
         a.mt_conversations, a.mt_turns = 8, 4

@@ -57,6 +57,13 @@ run("resend", prime, ARGS["out"])  # identical prompts: replay-boundary hits
 variants = [h + " " + t for h in heads for t in tails[1:]]
 run("variants", variants, ARGS["out"])
 run("variants2", variants[::-1], ARGS["out"])
+# Siblings (issue 45): a new head with one tail, then the same head with another tail. The
+# second hits the first's full-attention pages only with a window tail where the head ends:
+# stock at 32-token blocks keeps the window only at the first prompt's own last boundary
+# (the junction is learnt from the second, for a third); the arena keeps it a few pages wider.
+sib = text(46, ARGS["head"] + 20)  # (words no earlier prompt starts with)
+run("sibling1", [sib + " " + tails[1]], ARGS["out"])
+run("sibling2", [sib + " " + tails[2]], ARGS["out"])
 res["usage_hits"] = usage()
 # Pressure: long distinct prompts and outputs (the arena is too small for them at once).
 filler = [text(20 + i, ARGS["filler"] + 11 * i) for i in range(8)]
@@ -102,7 +109,8 @@ def swa_runs(request, tiny_model):
     return request.param, ref, ula
 
 
-PHASES = ("prime", "resend", "variants", "variants2", "filler", "after", "after_reset")
+PHASES = ("prime", "resend", "variants", "variants2", "sibling1", "sibling2", "filler", "after",
+          "after_reset")
 
 
 def test_sliding_window_prefix_caching_parity(swa_runs):
@@ -111,10 +119,16 @@ def test_sliding_window_prefix_caching_parity(swa_runs):
     for p in PHASES:
         assert ula[p] == ref[p], p
     # Before the pressure phase the arena kept what was hit (an eviction there may drop only
-    # pages no later request hits): the same hits, request by request, and in vLLM's counter.
+    # pages no later request hits): at least stock's hits, request by request, and in vLLM's
+    # counter (more where a prefix variant hits its sibling's window tail, which the arena
+    # keeps a few pages wider: ``pools.SIBLING_REACH_TOKENS``).
     for p in ("prime", "resend", "variants", "variants2"):
-        assert ula[p + "_cached"] == ref[p + "_cached"], p
-        assert ula[p + "_hits"] == ref[p + "_hits"], p
+        assert all(u >= r for u, r in zip(ula[p + "_cached"], ref[p + "_cached"])), \
+            (p, ula[p + "_cached"], ref[p + "_cached"])
+        assert ula[p + "_hits"] >= ref[p + "_hits"], p
+    # The sibling hits its sibling's prefix under the arena, not under stock.
+    assert ref["sibling2_cached"] == [0] and ula["sibling2_cached"][0] >= 3 * 32, \
+        (ula["sibling2_cached"], ref["sibling2_cached"])
     assert sum(ref["resend_cached"]) > 0 and ref["resend_hits"] > 0, ref
     m = ula["metrics"]
     # Cached pages moved by the forced compactions / relayouts, their copies in the plans.

@@ -25,14 +25,25 @@ rewrites no block table: the worker translates vids to granules before every for
 Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
 - One persistent ``KVCacheBlock`` per live vid; hashed pages are shared read-only by every
   request that hits them. A hashed page whose last holder frees it stays live, *free but
-  cached*, in its pool's LRU: it keeps its vid and bytes (never zeroed: only new vids can be),
-  counts as free in usage and as reclaimable in the byte admission gate; a hit takes it back.
-- Eviction is the arena's reclaim, and the only way a cached page's bytes go back: when a
-  step's new pages need more than the free bytes, the coldest free-but-cached pages (every
-  pool, LRU order; never the pages this request hits) are evicted until the free bytes
-  suffice, *before* the ladder's compaction/relayout runs, and again if the ladder still
-  finds the free bytes too scattered. ``evict_blocks`` (lost pages included) and
+  cached*: it keeps its vid and bytes (never zeroed: only new vids can be), counts as free in
+  usage and as reclaimable in the byte admission gate (the watermark included, as stock
+  counts its free-but-cached blocks); a hit takes it back.
+- Eviction is the arena's reclaim, and the only way a cached page's bytes go back, as in a
+  cache: only when a step's new pages need more than the free bytes (no compaction can give
+  them), never for the watermark, never the pages this request hits; again only if the
+  ladder still finds the free bytes too scattered (pages a step in flight pins). The order
+  (``arena.cache``): the pages one request released (finish, preemption, with its window
+  pages that slid out while it ran) leave together, least recently released first, from the
+  end of the prompt backwards with every kind together; what of a prompt cut into no hit can
+  use any more (vLLM's own lookup says how far a hit still reaches) goes with it, so no
+  full-attention pages stay cached without the window tail that makes them hittable. A
+  running request's released pages go last. ``evict_blocks`` (lost pages included) and
   ``reset_prefix_cache`` release them too.
+- Window tails a little wider than stock's (``pools.SIBLING_REACH_TOKENS``): under vLLM's
+  retention rule a sibling prompt sharing a prefix hits only where the window's pages were
+  kept; stock's 128-token CPU blocks land on that boundary by coarseness, the arena's 32-token
+  pages keep it a few pages wider instead (speculative pages, the first to leave), so a
+  sibling does not recompute and hold a second copy of the shared prefix.
 - Placement stays invisible to vLLM: compaction and relayout move cached pages, held or not,
   like any unfenced page (the copy in the step plan, the vid and its hashes unchanged);
   fences keep pages a step in flight uses from moving or being reused.
@@ -50,7 +61,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import RequestStatus
 
 from ..line import LineManager, layout_of
-from .pools import NULL_KIND, ArenaBlockPool, ArenaStepPlan, ArenaState
+from .pools import NULL_KIND, ArenaBlockPool, ArenaStepPlan, ArenaState, keep_sibling_tails
 
 __all__ = ["ArenaKVCacheManager", "ArenaStepPlan"]
 
@@ -100,6 +111,11 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         for i, mgr in enumerate(self.coordinator.single_type_managers):
             mgr.block_pool = ArenaBlockPool(st, i + 1, hbs, self.enable_caching, events)
             mgr._null_block = st.null_block
+        if self.enable_caching:
+            keep_sibling_tails(self.coordinator.single_type_managers, st)
+            # How long a hit of a released prompt is (vLLM's lookup), for the reclaim.
+            st.hit_length = lambda hashes, n: self.coordinator.find_longest_cache_hit(
+                hashes, n)[1]
         front = ArenaBlockPool(st, None, hbs, self.enable_caching, events)
         self.coordinator.block_pool = front
         self.block_pool = front
@@ -124,8 +140,16 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
                 out[i + 1] = n
         return out
 
-    def allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
-                       new_computed_blocks=None, num_lookahead_tokens=0,
+    def allocate_slots(self, request, *args, **kwargs):
+        st = self._state
+        st.owner = request.request_id  # the cached pages it releases join its unit
+        try:
+            return self._allocate_slots(request, *args, **kwargs)
+        finally:
+            st.owner = None
+
+    def _allocate_slots(self, request, num_new_tokens, num_new_computed_tokens=0,
+                        new_computed_blocks=None, num_lookahead_tokens=0,
                        num_external_computed_tokens=0, delay_cache_blocks=False,
                        num_encoder_tokens=0, full_sequence_must_fit=False, reserved_blocks=0,
                        has_scheduled_reqs=True, skip_zeroing_group_ids=()):
@@ -226,25 +250,28 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
 
     def _place(self, demands: dict[int, int], watermark: int, hit_bytes: int,
                keep: set[int]) -> bool:
-        """Place a step's new pages of every kind at once (reclaiming cold cached pages, not
-        ``keep``, when the free bytes fall short) and stage their vids for vLLM's managers;
-        False: they do not fit (nothing placed)."""
+        """Place a step's new pages of every kind at once and stage their vids for vLLM's
+        managers; False: they do not fit (nothing placed). Cached pages (never ``keep``, the
+        request's own hits) are evicted only for bytes the free ones cannot give after
+        compaction and relayout; the ``watermark`` (a waiting request's headroom) is checked
+        against free plus cached bytes, as stock counts its free-but-cached blocks, and
+        evicts nothing."""
         st = self._state
         if any(n >= st.DEFER for n in demands.values()):
             return False
         page = self.arena.page_bytes
-        need = sum(n * page[k] for k, n in demands.items()) + watermark
-        if need <= self.arena.free_bytes:  # the common case: the ladder's first rung, lists
+        need = sum(n * page[k] for k, n in demands.items())
+        free = self.arena.free_bytes
+        if need + watermark > free + st.cached_free_bytes() - hit_bytes:  # (window frees
+            return False  # may have added cached pages since the gate)
+        if need <= free:  # the common case: the ladder's first rung, lists
             placed = self.arena.take(demands)
             if placed is not None:
                 for k, vids in placed.items():
                     st.staged[k] = vids
                     st.new.extend(vids)
                 return True
-        reclaimable = st.cached_free_bytes() - hit_bytes  # (window frees may add pages)
-        if need > self.arena.free_bytes + reclaimable:
-            return False
-        if need > self.arena.free_bytes:
+        else:  # no compaction can help: the cache gives the missing bytes
             st.evict_for(need, keep)
         want = {k: n for k, n in demands.items() if n}  # (kind indices)
         res = self.arena.allocate(want)
@@ -261,8 +288,14 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         return True
 
     def free(self, request) -> None:
-        with self._state.batched_release():  # every group's pages in one arena release
-            super().free(request)
+        st = self._state
+        st.owner = request.request_id  # its cached pages: one unit, released now
+        try:
+            with st.batched_release():  # every group's pages in one arena release
+                super().free(request)
+        finally:
+            st.owner = None
+            st.cache.close(request.request_id, getattr(request, "block_hashes", None))
 
     def _staged_taken(self) -> None:
         st = self._state
@@ -332,7 +365,7 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         """The arena's figures less the fence counts (one shared dict, rebuilt only when a
         figure can have changed)."""
         a, st = self.arena, self._state
-        cached = sum(len(p.lru) for p in st.pools)
+        cached = len(st.cache)
         key = (a.version, a.stats["shortfalls"], cached, *st.cache_stats.values())
         if st.stats_cache[0] != key:
             st.stats_cache = (key, self._arena_stats(cached))

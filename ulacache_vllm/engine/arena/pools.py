@@ -6,15 +6,13 @@ prefix cache's persistent blocks and LRUs) and those pools.
   where, the new pages); while the arena's placement version is the one the worker's
   table was taken at, nothing changed and the plan is empty.
 - One persistent ``KVCacheBlock`` per live vid; vid 0 is the null page (pinned, never freed).
-- A hashed page whose last holder frees it stays live in its pool's LRU (free but cached)
-  until the arena's reclaim evicts it; an unhashed page goes back to the arena at once.
+- A hashed page whose last holder frees it stays live (free but cached, in
+  ``ArenaState.cache``, the arena's eviction order) until an admission needs its bytes and
+  no free bytes can serve it; an unhashed page goes back to the arena at once.
 """
 from __future__ import annotations
 
 import contextlib
-import heapq
-import itertools
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +22,7 @@ from vllm.v1.core.block_pool import BlockHashToBlockMap, BlockPool
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 from ulacache_vllm.arena import Arena, Band, KindSpec, RowSpec
+from ulacache_vllm.arena.cache import CachedPages
 
 logger = init_logger("vllm.ulacache.arena")
 
@@ -94,12 +93,19 @@ class ArenaState:
         self.dirty = False  # pages freed since the last plan (the worker's figures are stale)
         self.min_page = min(self.arena.page_bytes[1:])
         self._page_bytes = np.asarray(self.arena.page_bytes, np.int64)
-        # Prefix caching: every live vid's one KVCacheBlock, the kind pools (each with its LRU
-        # of free-but-cached pages), the LRU clock, and whether vLLM's allocate_slots runs.
+        # Prefix caching: every live vid's one KVCacheBlock, the kind pools (each with its
+        # free-but-cached pages), those pages in the order they leave (``cache``: units of
+        # the pages one request released, least recently released first), the request whose
+        # pages are being released (their unit), how long a hit of a released prompt still is
+        # (``hit_length(block_hashes, max_tokens)``, vLLM's lookup: set by the manager), and
+        # whether vLLM's allocate_slots runs.
         self.live: dict[int, KVCacheBlock] = {}
         self.pools: list = []
-        self.lru_stamp: dict[int, int] = {}
-        self.clock = itertools.count()
+        self.cache = CachedPages()
+        self.owner = None
+        self.hit_length = None
+        self.speculative: set[int] = set()  # pages only the sibling reach keeps
+        self.reach_marks = None  # (kind, block indices) of the next cache_full_blocks
         self.allocating = False
         self.cache_stats = {"cached_pages_moved": 0, "cache_evictions": 0}
         self.releasing: list[int] | None = None  # inside ``batched_release``
@@ -110,6 +116,7 @@ class ArenaState:
     def release(self, vids) -> None:
         for v in vids:
             self.live.pop(v, None)
+            self.speculative.discard(v)
         if self.releasing is not None:  # one request's groups: one arena release at the end
             self.releasing.extend(vids)
             return
@@ -129,43 +136,39 @@ class ArenaState:
                 self.dirty = True
 
     def cached_free_bytes(self) -> int:
-        page = self.arena.page_bytes
-        return sum(len(p.lru) * page[p._kind] for p in self.pools)
+        return self.cache.nbytes
 
     def evict_for(self, need_bytes: int, keep: set[int]) -> int:
-        """The arena's reclaim: evict the coldest free-but-cached pages (not in ``keep``: a
-        request's own hits) until ``need_bytes`` are free; returns the pages evicted."""
-        page = self.arena.page_bytes
+        """The arena's reclaim: evict free-but-cached pages (never one in ``keep``: a
+        request's own hits) in the cache's order until ``need_bytes`` are free; a released
+        unit cut into loses too what of it no hit can use any more (no half prefix stays).
+        Returns the pages evicted."""
         n = 0
         while self.arena.free_bytes < need_bytes:
-            # Each pool's LRU is in stamp order: merge their cold ends lazily, take victims
-            # worth the deficit (bytes a fence withholds come back later: loop).
-            short = need_bytes - self.arena.free_bytes
-            merged = heapq.merge(*(self._cold(p) for p in self.pools))
-            victims = []
-            for _, v, pool in merged:
-                if v in keep:
-                    continue
-                victims.append((v, pool))
-                short -= page[pool._kind]
-                if short <= 0:
-                    break
-            if not victims:
+            # (bytes a fence withholds come back later: loop)
+            vids, cut, lowest = self.cache.victims(need_bytes - self.arena.free_bytes, keep)
+            if not vids:
                 break
-            for v, pool in victims:
-                pool.evict_page(self.live[v])
-                if v in pool.lru:  # never loop on a page that stayed cached
-                    raise RuntimeError(f"ulacache arena: evicting cached page {v} left it "
-                                       "in its pool's LRU (pool bookkeeping diverged)")
-            n += len(victims)
+            if cut is not None:  # what a hit of that unit's prompt keeps after the cut
+                info = self.cache.info.get(cut)
+                if info is not None and self.hit_length is not None:
+                    for v in vids:  # (the lookup must not see the victims)
+                        self._evict(v)
+                    n += len(vids)
+                    vids = [v for v in self.cache.remaining(cut, self.hit_length(info, lowest))
+                            if v not in keep]
+            for v in vids:
+                self._evict(v)
+            n += len(vids)
         self.cache_stats["cache_evictions"] += n
         return n
 
-    def _cold(self, pool):
-        # One generator per pool (binds ``pool`` now: a nested generator expression would
-        # late-bind the loop variable and name the last pool for every victim).
-        stamp = self.lru_stamp
-        return ((stamp[v], v, pool) for v in pool.lru)
+    def _evict(self, vid: int) -> None:
+        blk = self.live[vid]
+        blk.pool.evict_page(blk)
+        if vid in self.cache:  # never loop on a page that stayed cached
+            raise RuntimeError(f"ulacache arena: evicting cached page {vid} left it cached "
+                               "(pool bookkeeping diverged)")
 
     def staged_count(self) -> int:
         return sum(len(v) for v in self.staged.values())
@@ -221,6 +224,50 @@ class ArenaState:
         self.copies.extend(plan.steps)
 
 
+# A sibling's hit reaches back this far. Under vLLM's retention rule a sliding window's
+# pages stay hashed only at the boundaries a hit can be proven to reach (a prompt's replay
+# boundary, a shared-prefix junction once seen); stock's 128-token blocks (the CPU default)
+# put the next request sharing the prompt's first ~N tokens on the same block boundary, the
+# arena's 32-token pages seldom do: it would miss the hit and recompute (and hold) the whole
+# shared prefix again. So the window's tail is also kept at every page boundary up to this
+# many tokens before each such boundary (three more pages per boundary at W=128): every hit
+# stock's 128-token blocks give, the arena gives too, from the same or a later token. Those
+# extra pages are speculative (``ArenaState.speculative`` until a hit uses one): the first to
+# leave the cache, so they only hold bytes stock would leave free. The arena widens vLLM's
+# own mask on each sliding-window manager it owns (as it swaps their block pools).
+SIBLING_REACH_TOKENS = 128
+
+
+def keep_sibling_tails(managers, state) -> None:
+    """Widen each sliding-window manager's retained tails (``SIBLING_REACH_TOKENS``)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    for i, mgr in enumerate(managers):
+        if isinstance(mgr, SlidingWindowManager):
+            mgr.reachable_block_mask = _sibling_tails(mgr.reachable_block_mask, state, i + 1)
+
+
+def _sibling_tails(mask, state, kind: int):
+    def widened(*, reachable_boundaries=(), alignment_tokens=None, start_block=0, **kw):
+        base = mask(reachable_boundaries=reachable_boundaries,
+                    alignment_tokens=alignment_tokens, start_block=start_block, **kw)
+        if base is None or not alignment_tokens or not reachable_boundaries:
+            return base
+        extra = []
+        for b in reachable_boundaries:
+            b = b // alignment_tokens * alignment_tokens
+            extra.extend(b - k for k in range(alignment_tokens, SIBLING_REACH_TOKENS,
+                                               alignment_tokens) if b > k)
+        wide = mask(reachable_boundaries=[*reachable_boundaries, *extra],
+                    alignment_tokens=alignment_tokens, start_block=start_block, **kw)
+        # The pages only the reach keeps (their pool's cache_full_blocks, called next by
+        # vLLM's cache_blocks, marks them speculative).
+        state.reach_marks = (kind, [start_block + i for i, (w, m) in enumerate(zip(wide, base))
+                                    if w and not m])
+        return wide
+    return widened
+
+
 class ArenaBlockPool(BlockPool):
     """A vLLM block pool over arena pages of one kind (``kind`` None: the front pool the
     coordinator and scheduler see; it forwards frees and evictions to each block's own pool
@@ -228,8 +275,9 @@ class ArenaBlockPool(BlockPool):
 
     Prefix caching: one persistent ``KVCacheBlock`` per live vid (``ArenaState.live``),
     hashed by vLLM's own ``cache_full_blocks``. A hashed page whose last holder frees it stays
-    live in this pool's LRU (``lru``, coldest first) and is hittable; it goes back to the arena
-    only when the arena's reclaim evicts it (``ArenaState.evict_for``), through
+    live, free but cached (in this pool's ``lru``, and in ``ArenaState.cache`` in the
+    unit of the request releasing it, which orders evictions), and is hittable; it goes back
+    to the arena only when the arena's reclaim evicts it (``ArenaState.evict_for``), through
     ``evict_blocks`` or ``reset_prefix_cache``. Unhashed pages go back at once."""
 
     def __init__(self, state: ArenaState, kind: int | None, hash_block_size: int,
@@ -240,7 +288,7 @@ class ArenaBlockPool(BlockPool):
         self._kind = kind
         self.null_block = state.null_block
         self.blocks = []  # no per-block list: vids are created on allocation
-        self.lru: OrderedDict[int, KVCacheBlock] = OrderedDict()  # free-but-cached pages
+        self.lru: dict[int, KVCacheBlock] = {}  # free-but-cached pages (order: the cache's)
         if kind is not None:
             # Mamba's "hit made this step, retry next step" sentinel (num_gpu_blocks + 1)
             # must read as a demand no arena fits (``ArenaState.DEFER``).
@@ -265,7 +313,8 @@ class ArenaBlockPool(BlockPool):
         return out
 
     def free_blocks(self, ordered_blocks) -> None:
-        dead, others = [], {}
+        st = self._state
+        dead, others, cached = [], {}, False
         for blk in ordered_blocks:
             if blk.is_null:
                 continue
@@ -275,12 +324,18 @@ class ArenaBlockPool(BlockPool):
             blk.ref_cnt -= 1
             if blk.ref_cnt == 0:
                 if self.enable_caching and blk.block_hash is not None:
-                    self.lru[blk.block_id] = blk  # cold end last: evicted after older pages
-                    self._state.lru_stamp[blk.block_id] = next(self._state.clock)
+                    # Into the releasing request's unit (its end token orders it there).
+                    self.lru[blk.block_id] = blk
+                    st.cache.add(blk.block_id, st.arena.page_bytes[self._kind],
+                                 blk.block_hash_num_tokens or 0, st.owner,
+                                 blk.block_id in st.speculative)
+                    cached = True
                 else:
                     dead.append(blk.block_id)
+        if cached and st.owner is None:  # released by no request: a unit of its own
+            st.cache.close(None)
         if dead:
-            self._state.release(dead)
+            st.release(dead)
         for pool, blocks in others.items():
             pool.free_blocks(blocks)
 
@@ -290,8 +345,18 @@ class ArenaBlockPool(BlockPool):
                 continue
             if blk.ref_cnt == 0:
                 self.lru.pop(blk.block_id)
-                self._state.lru_stamp.pop(blk.block_id, None)
+                self._state.cache.remove(blk.block_id)
+            self._state.speculative.discard(blk.block_id)  # a hit: no longer speculative
             blk.ref_cnt += 1
+
+    def cache_full_blocks(self, request, blocks, num_cached_blocks, num_full_blocks,
+                          block_size, kv_cache_group_id, block_mask=None) -> None:
+        super().cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks,
+                                  block_size, kv_cache_group_id, block_mask)
+        marks, self._state.reach_marks = self._state.reach_marks, None
+        if marks is not None and marks[0] == self._kind:
+            self._state.speculative.update(blocks[i].block_id for i in marks[1]
+                                           if not blocks[i].is_null)
 
     def get_num_free_blocks(self) -> int:
         st = self._state
@@ -311,7 +376,7 @@ class ArenaBlockPool(BlockPool):
         """Drop ``blk``'s hashes; a page no request holds goes back to the arena."""
         evicted = self._maybe_evict_cached_block(blk)
         if blk.ref_cnt == 0 and self.lru.pop(blk.block_id, None) is not None:
-            self._state.lru_stamp.pop(blk.block_id, None)
+            self._state.cache.remove(blk.block_id)
             self._state.release([blk.block_id])
         return evicted
 
@@ -338,7 +403,7 @@ class ArenaBlockPool(BlockPool):
             vids = list(pool.lru)
             pool.lru.clear()
             for v in vids:
-                st.lru_stamp.pop(v, None)
+                st.cache.remove(v)
                 st.live[v].reset_hash()
             if vids:
                 st.release(vids)
