@@ -57,7 +57,7 @@ def install(force: bool = False) -> bool:
     they were installed."""
     from vllm.platforms import current_platform
 
-    from ulacache_vllm.engine.line import experimental_cuda_enabled
+    from ulacache_vllm.engine.config import experimental_cuda_enabled
 
     if not force and not (current_platform.is_cuda() and experimental_cuda_enabled()):
         return False

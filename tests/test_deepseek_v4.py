@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -167,6 +168,12 @@ def test_fallbacks_registered_by_the_platform_hook(monkeypatch):
     from ulacache_vllm.patches import v4_triton_fallbacks as p
 
     assert not HAS_TRITON  # this build's Triton has no CPU backend
+    # vLLM 0.32.0's `_rebind_kernels` scans every module in sys.modules and crashes on
+    # llvmlite's lazy `ffi.lib` (its __getattr__ answers `__dict__` with a function wrapper);
+    # a worker calls the hook before anything imports numba, but an earlier test of this
+    # process may have: hide those modules from the scan, as a fresh worker has them.
+    for mod in [m for m in sys.modules if m.split(".")[0] in ("llvmlite", "numba")]:
+        monkeypatch.delitem(sys.modules, mod)
     p.apply()
     p.apply()
     CpuPlatform.register_triton_kernel_overrides()

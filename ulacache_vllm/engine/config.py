@@ -6,6 +6,7 @@ line chosen for the model (`lines.LINE_KEY`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -15,6 +16,15 @@ DEFAULT_KV_BACKEND = "vllm"
 ADDITIONAL_CONFIG_KEY = "kv_backend"
 SETTINGS_KEY = "ulacache"
 # (The product line chosen for the model travels beside them: `lines.LINE_KEY`.)
+
+# The experimental CUDA opt-in: a line that runs on CUDA (`Line.runs_on_cuda`) does so only
+# with this set to 1; without it every line is refused on a non-CPU platform.
+EXPERIMENTAL_CUDA_ENV = "ULACACHE_EXPERIMENTAL_CUDA"
+
+
+def experimental_cuda_enabled() -> bool:
+    """True only for an explicit ``ULACACHE_EXPERIMENTAL_CUDA=1`` (anything else: refused)."""
+    return os.environ.get(EXPERIMENTAL_CUDA_ENV, "").strip() == "1"
 
 
 class KVBackendError(ValueError):

@@ -22,22 +22,13 @@ pre-forward half of its contract (`begin_step`); after the step, lost blocks go 
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm.v1.kv_cache_interface import KVCacheConfig
 
-from .config import KVBackendError, UlaSettings
+from .config import EXPERIMENTAL_CUDA_ENV, KVBackendError, UlaSettings, experimental_cuda_enabled
 
-# The experimental CUDA opt-in: a line that runs on CUDA (`Line.runs_on_cuda`) does so only
-# with this set to 1; without it every line is refused on a non-CPU platform.
-EXPERIMENTAL_CUDA_ENV = "ULACACHE_EXPERIMENTAL_CUDA"
-
-
-def experimental_cuda_enabled() -> bool:
-    """True only for an explicit ``ULACACHE_EXPERIMENTAL_CUDA=1`` (anything else: refused)."""
-    return os.environ.get(EXPERIMENTAL_CUDA_ENV, "").strip() == "1"
 
 
 class LineLayout:

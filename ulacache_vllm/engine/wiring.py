@@ -71,7 +71,7 @@ def finalize_vllm_config(vllm_config: Any, settings: UlaSettings) -> None:
     """Runs after VllmConfig is built, with the line recorded by `prepare_engine_args`."""
     line = recorded_line(vllm_config)
     # A non-CPU platform is refused unless the line runs on CUDA behind the experimental
-    # opt-in (`line.EXPERIMENTAL_CUDA_ENV`), whose configuration checks then run.
+    # opt-in (`config.EXPERIMENTAL_CUDA_ENV`), whose configuration checks then run.
     line.check_platform(vllm_config)
     line.prepare(vllm_config, settings)
     keep_cpu_core_reservation(vllm_config)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..config import UlaSettings
-from ..line import EXPERIMENTAL_CUDA_ENV, Line, UlaKVCacheConfig
+from ..config import EXPERIMENTAL_CUDA_ENV, UlaSettings
+from ..line import Line, UlaKVCacheConfig
 from .metrics import METRICS
 
 # Hybrid architectures the arena serves, as verified on vLLM's CPU build. Other hybrids (e.g.

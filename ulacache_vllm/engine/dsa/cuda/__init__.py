@@ -19,9 +19,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ...config import KVBackendError
-from ...line import EXPERIMENTAL_CUDA_ENV as OPT_IN_ENV
-from ...line import experimental_cuda_enabled
+from ...config import EXPERIMENTAL_CUDA_ENV as OPT_IN_ENV
+from ...config import KVBackendError, experimental_cuda_enabled
 
 __all__ = ["CUDA_REFUSAL", "OPT_IN_ENV", "check_cuda_config", "experimental_cuda_enabled"]
 
