@@ -14,10 +14,11 @@ from ulacache_vllm.engine.dsa.cpu_indexer import quant_fp8_ue8m0, select_topk
 from ulacache_vllm.engine.dsa.indexer_scores import (
     exact_scores,
     fixed_order_scores,
+    indexer_logits,
     on_fp8_grid,
     scores,
 )
-from ulacache_vllm.engine.dsa.topk import merge_candidates
+from ulacache_vllm.engine.dsa.topk import local_candidates, merge_candidates
 
 D = 128
 
@@ -106,11 +107,34 @@ def test_token_shards_merge_to_the_whole_indexers_selection(P, H, L, seed):
     merged = merge_candidates(torch.stack([x[0] for x in parts]),
                               torch.stack([x[1] for x in parts]), k)
     assert torch.equal(merged, whole)
-    # Every key's logit, whole: a shard's candidates carry the same bits.
-    full_s, full_p = select_topk(q, w, keys, qpos, L, candidates=True)
-    full = torch.full((n, L + 1), float("-inf"))  # column L takes the padding
-    full.scatter_(1, torch.where(full_p >= 0, full_p.long(), L), full_s)
-    for s, p in parts:
-        ok = p >= 0
-        assert ok.any()
+    # Every key's logit: a shard's carry the whole scoring's bits, and so do the candidates
+    # of every query the shards scored (those past the top-k).
+    full = indexer_logits(q, w, keys, qpos, torch.arange(L), exact=True)
+    for r, (s, p) in enumerate(parts):
+        kp = torch.arange(r, L, P)
+        assert torch.equal(_bits(indexer_logits(q, w, keys[r::P], qpos, kp, exact=True)),
+                           _bits(full[:, kp]))
+        ok = (p >= 0) & (qpos + 1 > k).unsqueeze(1)
         assert torch.equal(_bits(s[ok]), _bits(full.gather(1, p.long().clamp(min=0))[ok]))
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(1, 40), H=st.integers(1, 16), L=st.integers(1, 300),
+       topk=st.integers(1, 320), seed=st.integers(0, 2**31 - 1))
+def test_a_query_whose_prefix_fits_the_topk_selects_it_all_unscored(n, H, L, topk, seed):
+    """Queries at positions p with p + 1 <= topk are not scored: their selection (every causal
+    key) and candidates are what scoring them gives."""
+    g = torch.Generator().manual_seed(seed)
+    n = min(n, L)
+    q, keys = _fp8_inputs(g, n, H, L, 2)
+    w = torch.randn(n, H, generator=g)
+    qpos = torch.arange(L - n, L)
+    vals, out = select_topk(q.to(torch.float8_e4m3fn), w, keys, qpos, topk, candidates=True)
+    ref_vals, ref_out = local_candidates(
+        indexer_logits(q, w, keys, qpos, torch.arange(L), exact=True), torch.arange(L), topk)
+    assert torch.equal(out, ref_out)
+    scored = qpos + 1 > topk
+    assert torch.equal(_bits(vals[scored]), _bits(ref_vals[scored]))
+    short = out[~scored]
+    assert torch.equal(short, torch.where(torch.arange(topk) <= qpos[~scored].unsqueeze(1),
+                                          torch.arange(topk), -1).int())

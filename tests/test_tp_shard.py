@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ulacache_vllm.engine.dsa.cpu_indexer import select_topk
+from ulacache_vllm.engine.dsa.indexer_scores import indexer_logits, on_fp8_grid
 from ulacache_vllm.engine.dsa.topk import (
     canonical_topk,
     local_candidates,
@@ -88,16 +89,12 @@ def test_a_rank_s_share_of_the_indexer_scores_is_bitwise_the_whole_scoring(P, H,
     w = torch.randn(n, H, generator=g)
     keys = torch.randn(L, D, generator=g)
     qpos = torch.arange(L - n, L)
-    full_s, full_p = select_topk(q, w, keys, qpos, L, candidates=True)
-    full = torch.full((n, L + 1), float("-inf"))  # column L takes the padding
-    full.scatter_(1, torch.where(full_p >= 0, full_p.long(), L), full_s)
+    full = indexer_logits(q, w, keys, qpos, torch.arange(L), exact=on_fp8_grid(keys))
     for r in range(P):
         kp = torch.arange(r, L, P)
-        s, p = select_topk(q, w, keys[r::P], qpos, L, key_positions=kp, candidates=True)
-        ok = p >= 0
-        assert ok.any()
-        mine = full.gather(1, p.long().clamp(min=0))
-        assert torch.equal(s[ok].view(torch.int32), mine[ok].view(torch.int32))  # bits
+        mine = indexer_logits(q, w, keys[r::P], qpos, kp, exact=on_fp8_grid(keys))
+        assert torch.isfinite(mine).any()
+        assert torch.equal(mine.view(torch.int32), full[:, kp].view(torch.int32))  # bits
     # ... and the merged selection is the whole indexer's, at the engine's k.
     k = 64
     whole = select_topk(q, w, keys, qpos, k)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ulacache_vllm.engine.dsa.cpu_indexer import FP8, SCORE_CHUNK, cache_views, head_sum
+from ulacache_vllm.engine.dsa.cpu_indexer import FP8, SCORE_CHUNK, cache_views
+from ulacache_vllm.engine.dsa.indexer_scores import head_sum
 from ulacache_vllm.engine.dsa.topk import local_candidates
 
 

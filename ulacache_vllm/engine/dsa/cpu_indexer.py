@@ -6,7 +6,9 @@ power-of-two scale per 128 values) into the paged indexer cache at `slot_mapping
 request's keys back through its block table, score
 `logits[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])` over the causal prefix, and write the
 top-k request-local positions (int32, -1 padded) into the shared `topk_indices_buffer`.
-Each request is scored on its own, so results do not depend on batch composition.
+Each request is scored on its own, so results do not depend on batch composition. A query
+whose causal prefix holds at most top-k keys selects all of it and is not scored; the others
+are scored by `indexer_scores.indexer_logits` (exact on the cache's fp8 keys, a tile at a time).
 
 Indexer keys stay in the (device) indexer cache for every live token: the indexer scores the
 whole history each step, so they are counted in device capacity (they are ~11 % of a token's
@@ -15,7 +17,7 @@ DSA KV bytes) and never move to the host tier.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
@@ -27,15 +29,20 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 
-from .indexer_scores import MAX_EXACT_DIM, exact_scores, fixed_order_scores, on_fp8_grid
+from .indexer_scores import (
+    FP8_TABLE64,
+    MAX_EXACT_DIM,
+    Fp8Keys,
+    fp8_to_float,
+    indexer_logits,
+    on_fp8_grid,
+)
 from .topk import local_candidates, merge_candidates, pack_candidates, unpack_candidates
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 QUANT_BLOCK = 128
 SCORE_CHUNK = 256
-FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
-FP8_TABLE64 = FP8_TABLE.double()
 
 
 def quant_fp8_ue8m0(x: torch.Tensor, group: int = QUANT_BLOCK, eps: float = 1e-10):
@@ -94,61 +101,40 @@ def write_keys(kv_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tens
     scales[blk, off] = scale.reshape(-1).to(torch.float32).view(torch.uint8).reshape(-1, 4)
 
 
-class Fp8Keys(NamedTuple):
-    """Keys as the indexer cache holds them: fp8 e4m3 values and one power-of-two (UE8M0)
-    scale per key, as `write_keys` stores them, decoded to float64 (the exact scores' type).
-    `select_topk` scores these exactly without inspecting the values (`indexer_scores`)."""
-
-    values: torch.Tensor  # [L, D] float64, fp8 values
-    scales: torch.Tensor  # [L, 1] float64, powers of two
-
-    @property
-    def shape(self):
-        return self.values.shape
-
-    def dequantized(self) -> torch.Tensor:
-        return self.values * self.scales
-
-
-def fp8_to_float(x: torch.Tensor, table: torch.Tensor = FP8_TABLE) -> torch.Tensor:
-    """fp8 e4m3 codes (uint8 or float8 dtype) -> float32 (or ``table``'s dtype) through a
-    256-entry table: exact, and ~3x faster than `.float()` on vLLM's CPU torch."""
-    codes = x.contiguous().view(torch.uint8)
-    return table.index_select(0, codes.reshape(-1).int()).view(codes.shape)
-
-
 def read_fp8_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> Fp8Keys:
     """The first n keys a block-table row addresses in ``kv_cache`` ([blocks, rows per block,
-    132]: one request's positions, or under TP shard mode this rank's share of them)."""
+    132]: one request's positions, or under TP shard mode this rank's share of them), as the
+    cache holds them (fp8 codes and scales; decoded a tile at a time by `indexer_logits`)."""
     bs = kv_cache.shape[1]
     nb = (n + bs - 1) // bs
     values, scales = cache_views(kv_cache)
     ids = block_row[:nb].long()
-    v = fp8_to_float(values[ids].reshape(nb * bs, -1)[:n], FP8_TABLE64)
-    s = scales[ids].reshape(nb * bs, 4)[:n].contiguous().view(torch.float32)
-    return Fp8Keys(v, s.double())
+    codes = values[ids].reshape(nb * bs, -1)[:n]
+    s = scales[ids].reshape(nb * bs, 4)[:n].contiguous().view(torch.float32).reshape(-1)
+    return Fp8Keys(codes, s)
 
 
 def read_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> torch.Tensor:
     """Dequantized keys [n, 128] float32 (`read_fp8_keys`, values times scales)."""
-    return read_fp8_keys(kv_cache, block_row, n).dequantized().float()
+    return read_fp8_keys(kv_cache, block_row, n).dequantized()
 
 
-def head_sum(x: torch.Tensor) -> torch.Tensor:
-    """``x [n, H, L] -> [n, L]``, the sum over heads as a pairwise tree whose order depends on
-    H alone: elementwise adds, so each key's logit has the same bits however many keys are
-    scored beside it (TP shard mode scores a rank's share of the keys and must match the whole
-    scoring bit for bit). A bmm over heads does not: vLLM's CPU torch takes a naive kernel
-    below 400 multiply-adds and a BLAS one above, whose sums differ in the last bits."""
-    while x.shape[1] > 1:
-        half = x.shape[1] // 2
-        y = x[:, :half] + x[:, half:2 * half]
-        x = torch.cat([y, x[:, 2 * half:]], 1) if x.shape[1] % 2 else y
-    return x[:, 0]
+def all_causal_keys(positions: torch.Tensor, key_pos: torch.Tensor, topk: int):
+    """The selection of queries whose causal prefix holds at most ``topk`` keys: all of it,
+    whatever the scores. (scores [n, topk]: 0, -inf padded; positions [n, topk] ascending, -1
+    padded), as `local_candidates` gives them."""
+    n, width = positions.shape[0], min(topk, key_pos.shape[0])
+    vals = torch.full((n, topk), float("-inf"), dtype=torch.float32)
+    out = torch.full((n, topk), -1, dtype=torch.int32)
+    count = torch.searchsorted(key_pos, positions, right=True)
+    sel = torch.arange(width).unsqueeze(0) < count.unsqueeze(1)
+    out[:, :width] = torch.where(sel, key_pos[:width].to(torch.int32).unsqueeze(0), -1)
+    vals[:, :width].masked_fill_(sel, 0.0)
+    return vals, out
 
 
 def select_topk(
-    q: torch.Tensor,  # [n, H, D] float32 (fp8 values, scale folded into weights)
+    q: torch.Tensor,  # [n, H, D] fp8 values (the indexer's q_quant; its scale is in weights)
     weights: torch.Tensor,  # [n, H] float32
     keys,  # [L, D] float32, or `Fp8Keys` (the indexer cache's)
     positions: torch.Tensor,  # [n] absolute positions of the queries
@@ -158,10 +144,17 @@ def select_topk(
 ):
     """Top-k key positions per query over its causal prefix in the canonical order (`topk.py`:
     score desc, position asc; output ascending, -1 padded): [n, topk] int32. With
-    ``candidates``: (scores, positions) of this key shard's top-k, for `merge_candidates`."""
+    ``candidates``: (scores, positions) of this key shard's top-k, for `merge_candidates`.
+
+    The keys are a request's positions ``0..L-1``, or a token shard of them: a query at
+    position p has p + 1 causal keys in the whole, so for ``p + 1 <= topk`` the selection is
+    every causal key, and it is not scored (its candidates' scores read 0; the merge of every
+    shard's then selects them all too). The others are scored by `indexer_logits`: exact
+    float64 products on the indexer's fp8-grid inputs, fixed-order otherwise, so a key's score
+    has the same bits whatever keys are scored beside it (TP shard mode)."""
+    q_fp8 = q.dtype == FP8  # the indexer's own queries: on the fp8 grid by construction
     if isinstance(keys, Fp8Keys):  # the cache's own: on the fp8 grid by construction
-        keys_exact = bool((torch.frexp(keys.scales).mantissa == 0.5).all())
-        keys = keys.dequantized()
+        keys_exact = keys.on_grid()
     else:
         keys_exact = on_fp8_grid(keys)
     keys_exact = keys_exact and keys.shape[1] <= MAX_EXACT_DIM
@@ -169,22 +162,16 @@ def select_topk(
     key_pos = torch.arange(L) if key_positions is None else key_positions
     vals = torch.full((n, topk), float("-inf"), dtype=torch.float32)
     out = torch.full((n, topk), -1, dtype=torch.int32)
-    # Exact on the indexer's fp8-grid inputs, fixed-order otherwise (`indexer_scores`): a
-    # key's score has the same bits whatever keys are scored beside it (TP shard mode).
-    # Since a key's score does not depend on the keys beside it, a chunk of queries scores
-    # only the keys up to its last query's position (a prefill's causal triangle is skipped).
-    for s in range(0, n, SCORE_CHUNK):
-        e = min(n, s + SCORE_CHUNK)
-        qs, pos = q[s:e], positions[s:e]
-        lim = int(torch.searchsorted(key_pos, pos.max(), right=True)) if L else 0
-        ks, kp = keys[:lim], key_pos[:lim]
-        if keys_exact and on_fp8_grid(qs):
-            scores = exact_scores(qs, ks).relu_()
-        else:
-            scores = fixed_order_scores(qs, ks.float()).relu_()
-        logits = head_sum(scores.mul_(weights[s:e].unsqueeze(-1)))
-        logits = logits.masked_fill(kp.unsqueeze(0) > pos.unsqueeze(1), float("-inf"))
-        vals[s:e], out[s:e] = local_candidates(logits, kp, topk)
+    short = positions + 1 <= topk
+    if bool(short.any()):
+        vals[short], out[short] = all_causal_keys(positions[short], key_pos, topk)
+    rows = (~short).nonzero().squeeze(1)
+    for s in range(0, rows.numel(), SCORE_CHUNK):
+        r = rows[s:s + SCORE_CHUNK]
+        qs = fp8_to_float(q[r], FP8_TABLE64) if q_fp8 else q[r]
+        exact = keys_exact and (q_fp8 or on_fp8_grid(qs))
+        logits = indexer_logits(qs, weights[r], keys, positions[r], key_pos, exact)
+        vals[r], out[r] = local_candidates(logits, key_pos, topk)
     return (vals, out) if candidates else out
 
 
@@ -278,7 +265,7 @@ def _requests(md, q_quant, weights, T):
     sequence length, block-table row)."""
     qsl = md.query_start_loc_cpu.tolist()
     seq_lens = md.seq_lens_cpu.tolist()
-    q_all = fp8_to_float(q_quant[:T]) if q_quant.dtype == FP8 else q_quant[:T].float()
+    q_all = q_quant[:T] if q_quant.dtype == FP8 else q_quant[:T].float()
     w_all = weights[:T].float()
     for r in range(md.num_reqs):
         s, e = qsl[r], qsl[r + 1]
