@@ -89,6 +89,19 @@ def test_the_grid_check_rejects_what_it_cannot_prove_exact():
     assert torch.equal(_bits(scores(q, k)), _bits(exact_scores(q, k)))
 
 
+def assert_shards_merge_to_the_whole(q, w, keys, qpos, k, P):
+    """Every rank's candidates (keys t mod P) merge into the whole indexer's top-k; returns
+    the ranks' candidates."""
+    L = keys.shape[0]
+    whole = select_topk(q, w, keys, qpos, k)
+    parts = [select_topk(q, w, keys[r::P], qpos, k, key_positions=torch.arange(r, L, P),
+                         candidates=True) for r in range(P)]
+    merged = merge_candidates(torch.stack([x[0] for x in parts]),
+                              torch.stack([x[1] for x in parts]), k)
+    assert torch.equal(merged, whole)
+    return parts
+
+
 @settings(max_examples=15, deadline=None)
 @given(P=st.integers(2, 8), H=st.integers(1, 64), L=st.integers(8, 2000),
        seed=st.integers(0, 2**31 - 1))
@@ -101,12 +114,7 @@ def test_token_shards_merge_to_the_whole_indexers_selection(P, H, L, seed):
     w = torch.randn(n, H, generator=g)
     qpos = torch.arange(L - n, L)
     k = min(64, L)
-    whole = select_topk(q, w, keys, qpos, k)
-    parts = [select_topk(q, w, keys[r::P], qpos, k, key_positions=torch.arange(r, L, P),
-                         candidates=True) for r in range(P)]
-    merged = merge_candidates(torch.stack([x[0] for x in parts]),
-                              torch.stack([x[1] for x in parts]), k)
-    assert torch.equal(merged, whole)
+    parts = assert_shards_merge_to_the_whole(q, w, keys, qpos, k, P)
     # Every key's logit: a shard's carry the whole scoring's bits, and so do the candidates
     # of every query the shards scored (those past the top-k).
     full = indexer_logits(q, w, keys, qpos, torch.arange(L), exact=True)

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ulacache_vllm.engine.dsa.cpu_indexer import select_topk
+from test_indexer_scores import assert_shards_merge_to_the_whole
+
 from ulacache_vllm.engine.dsa.indexer_scores import indexer_logits, on_fp8_grid
 from ulacache_vllm.engine.dsa.topk import (
     canonical_topk,
@@ -96,13 +97,7 @@ def test_a_rank_s_share_of_the_indexer_scores_is_bitwise_the_whole_scoring(P, H,
         assert torch.isfinite(mine).any()
         assert torch.equal(mine.view(torch.int32), full[:, kp].view(torch.int32))  # bits
     # ... and the merged selection is the whole indexer's, at the engine's k.
-    k = 64
-    whole = select_topk(q, w, keys, qpos, k)
-    parts = [select_topk(q, w, keys[r::P], qpos, k, key_positions=torch.arange(r, L, P),
-                         candidates=True) for r in range(P)]
-    merged = merge_candidates(torch.stack([x[0] for x in parts]),
-                              torch.stack([x[1] for x in parts]), k)
-    assert torch.equal(merged, whole)
+    assert_shards_merge_to_the_whole(q, w, keys, qpos, 64, P)
 
 
 def _spawn(fn, tmp_path):

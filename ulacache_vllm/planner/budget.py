@@ -2,13 +2,11 @@
 vLLM's HiSparse host pool."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 from .model import ModelShape, PlannerError
 from .presets import WEIGHT_BYTES
-
-if TYPE_CHECKING:
-    from .records import Cluster
+from .records import Cluster, Plan
 
 GIB = 1 << 30
 
@@ -42,3 +40,20 @@ def hisparse_shared_ranks(cluster: Cluster) -> int:
     """TP ranks sharing vLLM's HiSparse host pool: all of an engine's ranks when TP > 1 and
     they sit on one node (vLLM also needs no PP/CP and the mp executor); else none (1)."""
     return cluster.tp if 1 < cluster.tp <= cluster.gpus_per_node else 1
+
+
+def dp_plan(p: Plan, experts_over: str) -> Plan | str:
+    """The same GPUs as DP engines of TP 1 (vLLM's --data-parallel-size GPUs, experts split
+    over them when ``experts_over='gpus'``): each GPU holds the dense weights whole, its own KV
+    budget, scheduler and host pool. The plan's own cluster when it is already TP 1; an error
+    text when the weights leave such an engine no KV memory."""
+    cl = p.cluster
+    if cl.tp == 1:
+        return p
+    dcl = dataclasses.replace(cl, tp=1, dp=cl.gpus, name=f"{cl.name} as DP {cl.gpus} x TP 1")
+    try:
+        budget, w = kv_budget(p.model, dcl, experts_over)
+    except PlannerError as e:
+        return str(e)
+    return Plan(p.model, dcl, p.request_tokens, p.kv_dtype, p.block_size, w, budget,
+                ula_host_pool_gib=p.ula_host_pool_gib)

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any
 
 from .assumptions import assumptions
-from .budget import GIB, hisparse_shared_ranks, kv_budget, weights_per_gpu  # noqa: F401
+from .budget import GIB, dp_plan, hisparse_shared_ranks, kv_budget, weights_per_gpu  # noqa: F401
 from .model import ModelShape, PlannerError, arena_specs, dsa_specs, hybrid_specs, kv_dtype_of
 from .presets import CLUSTER_PRESETS
 from .records import ULA_KEYS, VLLM_KEYS, Cluster, Plan, Row  # noqa: F401  (re-exported)
@@ -255,23 +255,6 @@ def arena_row(plan: Plan) -> Row:
 
 
 # ---------------------------------------------------------------- DP engines
-
-def dp_plan(p: Plan, experts_over: str) -> Plan | str:
-    """The same GPUs as DP engines of TP 1 (vLLM's --data-parallel-size GPUs, experts split
-    over them when ``experts_over='gpus'``): each GPU holds the dense weights whole, its own KV
-    budget, scheduler and host pool. The plan's own cluster when it is already TP 1; an error
-    text when the weights leave such an engine no KV memory."""
-    cl = p.cluster
-    if cl.tp == 1:
-        return p
-    dcl = dataclasses.replace(cl, tp=1, dp=cl.gpus, name=f"{cl.name} as DP {cl.gpus} x TP 1")
-    try:
-        budget, w = kv_budget(p.model, dcl, experts_over)
-    except PlannerError as e:
-        return str(e)
-    return Plan(p.model, dcl, p.request_tokens, p.kv_dtype, p.block_size, w, budget,
-                ula_host_pool_gib=p.ula_host_pool_gib)
-
 
 def dp_rows(p: Plan, specs: dict) -> list[Row]:
     """stock, HiSparse and ulacache on DP engines of TP 1: nothing replicated across ranks,

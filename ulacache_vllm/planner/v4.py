@@ -12,10 +12,9 @@ the reason instead of a count.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from .budget import GIB, kv_budget
+from .budget import GIB, dp_plan, kv_budget
 from .errors import PlannerError
 from .model import ModelShape, kv_dtype_of
 from .records import Cluster, Plan, Row
@@ -106,19 +105,6 @@ def ula_row(d: Deployment, key: str, label: str) -> Row:
                layout=d.line, host_pool_gib=f.host_bytes / GIB, tp=cl.tp, dp=cl.dp)
 
 
-def _dp_plan(p: Plan, experts_over: str) -> Plan | str:
-    cl = p.cluster
-    if cl.tp == 1:
-        return p
-    dcl = dataclasses.replace(cl, tp=1, dp=cl.gpus, name=f"{cl.name} as DP {cl.gpus} x TP 1")
-    try:
-        budget, w = kv_budget(p.model, dcl, experts_over)
-    except PlannerError as e:
-        return str(e)
-    return Plan(p.model, dcl, p.request_tokens, p.kv_dtype, p.block_size, w, budget,
-                ula_host_pool_gib=p.ula_host_pool_gib)
-
-
 def plan_v4(model: ModelShape, cluster: Cluster, request_tokens: int, *,
             kv_dtype: str | None = None, experts_over: str = "gpus",
             block_size: int | None = None, ula_host_pool_gib: float | None = None,
@@ -161,7 +147,7 @@ def plan_v4(model: ModelShape, cluster: Cluster, request_tokens: int, *,
     p.rows.append(Row("ulacache_shard", f"ulacache TP-{tp} engines, shard",
                       error="not in the V4 line (issue 44): V4's caches are replicated over "
                             "TP ranks (max_tp_shards=1); TP shard mode for V4 comes later"))
-    dplan = _dp_plan(p, experts_over)
+    dplan = dp_plan(p, experts_over)
     p.dp_engines = dplan
     labels = (("stock_dp", "stock vLLM, DP engines (TP 1)"),
               ("hisparse_dp", "HiSparse, DP engines (TP 1), host pool per engine"),
