@@ -167,8 +167,9 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys,
     per = max(1, TILE_ROWS // H)
     tiles = [(a, min(n, a + per)) for a in range(0, n, per)]
     # A key after a tile's last query is no query's: the causal triangle is skipped.
-    lims = torch.searchsorted(key_positions,
-                              torch.stack([positions[a:b].max() for a, b in tiles]),
+    last = positions.new_full((len(tiles) * per,), int(positions.min()))
+    last[:n] = positions
+    lims = torch.searchsorted(key_positions, last.view(len(tiles), per).amax(1),
                               right=True).tolist()
     w = weights.float()
     fp8 = isinstance(keys, Fp8Keys)
