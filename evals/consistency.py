@@ -161,23 +161,25 @@ def resolve_task(task: str | None) -> str:
     return name if dataset_available(*real) else fixture
 
 
-def run_lm_eval(model: str, backend: str, extra: str, task: str, include: str, limit: int,
-                out: Path, dtype: str, num_fewshot: int) -> dict:
-    """One lm-eval run of lm-eval's ``vllm`` model in a fresh process (each engine gets the
-    machine to itself). The child builds the model from the same ``--model_args`` string the
-    ``lm_eval`` CLI would get, evaluates, and, for ulacache, reads the tier counters off the
-    engine, so the report can show the host tier was really used."""
+def run_lm_eval(model: str, backend: str, extra: str, tasks: list[dict], include: str,
+                out: Path, dtype: str, env_extra: dict[str, str] | None = None) -> list[dict]:
+    """One lm-eval process of lm-eval's ``vllm`` model: the child builds the model from the
+    same ``--model_args`` string the ``lm_eval`` CLI would get and evaluates each of ``tasks``
+    (``{"task", "limit", "num_fewshot"}``) in turn on that one engine; for ulacache it reads
+    the tier counters off the engine around each task, so each task's report can show the host
+    tier was really used by that task. ``env_extra`` is added to the child's environment (e.g.
+    the CPUs its engine binds to). Returns one result per task."""
     args = f"pretrained={model},kv_backend={backend},dtype={dtype},enforce_eager=True,max_model_len=1024,seed=0"
     if extra:
         args += "," + extra
     out.mkdir(parents=True, exist_ok=True)
-    spec = dict(model_args=args, task=task, include=include, limit=limit,
-                num_fewshot=num_fewshot, result=str(out / "result.json"))
+    spec = dict(model_args=args, tasks=tasks, include=include, result=str(out / "result.json"))
     (out / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     env.setdefault("HF_DATASETS_OFFLINE", "1")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.update(env_extra or {})
     proc = subprocess.run([sys.executable, __file__, "--worker", str(out / "spec.json")],
                           capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
@@ -208,18 +210,29 @@ def _worker(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     lm = get_model("vllm").create_from_arg_string(spec["model_args"], {"batch_size": "auto"})
-    res = lm_eval.simple_evaluate(model=lm, tasks=[spec["task"]], num_fewshot=spec["num_fewshot"],
-                                  limit=spec["limit"], log_samples=True,
-                                  task_manager=TaskManager(include_path=spec["include"]))
-    task = spec["task"]
-    samples = res["samples"][task]
-    out = {"scores": {k: v for k, v in res["results"][task].items() if isinstance(v, (int, float))},
-           "generations": {str(s["doc_id"]): s["resps"] for s in samples}, "tiers": None}
-    if "kv_backend=ulacache" in spec["model_args"]:
+    ula = "kv_backend=ulacache" in spec["model_args"]
+    keys = ("lookups", "hits", "promotions", "demotions")
+
+    def tiers():
         usage = lm.model.collective_rpc("ulacache_usage")
-        out["tiers"] = {k: sum(u["totals"][k] for u in usage)
-                        for k in ("lookups", "hits", "promotions", "demotions")}
-    Path(spec["result"]).write_text(json.dumps(out, default=str))
+        return {k: sum(u["totals"][k] for u in usage) for k in keys}
+
+    results = []
+    manager = TaskManager(include_path=spec["include"])
+    for t in spec["tasks"]:
+        before = tiers() if ula else None
+        res = lm_eval.simple_evaluate(model=lm, tasks=[t["task"]], num_fewshot=t["num_fewshot"],
+                                      limit=t["limit"], log_samples=True, task_manager=manager)
+        task = t["task"]
+        samples = res["samples"][task]
+        out = {"scores": {k: v for k, v in res["results"][task].items()
+                          if isinstance(v, (int, float))},
+               "generations": {str(s["doc_id"]): s["resps"] for s in samples}, "tiers": None}
+        if ula:  # this task's own tier moves
+            after = tiers()
+            out["tiers"] = {k: after[k] - before[k] for k in keys}
+        results.append(out)
+    Path(spec["result"]).write_text(json.dumps(results, default=str))
     return 0
 
 
@@ -230,22 +243,42 @@ def _nonempty(resps) -> bool:
     return any(_nonempty(r) for r in resps)
 
 
-def compare(model: str, *, limit: int = 8, ula_args: str = "", ref_args: str = "",
-            task: str | None = None, dtype: str = "float32", max_gen: int = 48,
-            num_fewshot: int | None = None) -> dict:
+def compare_tasks(model: str, tasks: list[dict], *, ula_args: str = "", ref_args: str = "",
+                  dtype: str = "float32", max_gen: int = 48,
+                  side_by_side: list[dict[str, str]] | None = None) -> list[dict]:
+    """Compare several tasks (``{"task", "limit", "num_fewshot"}``; ``task`` and
+    ``num_fewshot`` as ``compare`` takes them) with one engine per backend: each lm-eval
+    process evaluates every task in turn. Without ``side_by_side`` the stock process runs, then
+    the ulacache one (each engine gets the machine to itself); with it (two environment
+    additions, stock's then ulacache's: e.g. disjoint CPUs for their engines) both run at once.
+    Returns one report per task, as ``compare``'s."""
+    from concurrent.futures import ThreadPoolExecutor
+
     with tempfile.TemporaryDirectory(prefix="ulacache_evals_") as td:
         td = Path(td)
         include = write_task(td / "tasks", max_gen)
-        task = resolve_task(task)
-        if num_fewshot is None:  # other tasks: their own yaml default
-            num_fewshot = FEWSHOT.get(task)
-        ref = run_lm_eval(model, "vllm", ref_args, task, include, limit, td / "ref", dtype,
-                          num_fewshot)
-        ula = run_lm_eval(model, "ulacache", ula_args, task, include, limit, td / "ula", dtype,
-                          num_fewshot)
+        specs = []
+        for t in tasks:
+            task = resolve_task(t.get("task"))
+            num_fewshot = t.get("num_fewshot")
+            if num_fewshot is None:  # other tasks: their own yaml default
+                num_fewshot = FEWSHOT.get(task)
+            specs.append({"task": task, "limit": t.get("limit", 8), "num_fewshot": num_fewshot})
+        runs = [("vllm", ref_args, td / "ref"), ("ulacache", ula_args, td / "ula")]
+        if side_by_side is None:
+            ref, ula = (run_lm_eval(model, b, a, specs, include, d, dtype) for b, a, d in runs)
+        else:
+            with ThreadPoolExecutor(max_workers=2, thread_name_prefix="lm_eval") as pool:
+                futures = [pool.submit(run_lm_eval, model, b, a, specs, include, d, dtype, e)
+                           for (b, a, d), e in zip(runs, side_by_side)]
+                ref, ula = (f.result() for f in futures)
+    return [_report(spec, r, u) for spec, r, u in zip(specs, ref, ula)]
+
+
+def _report(spec: dict, ref: dict, ula: dict) -> dict:
     same = ref["generations"] == ula["generations"]
     tiers = ula["tiers"]
-    return {"task": task, "limit": limit, "num_fewshot": num_fewshot,
+    return {"task": spec["task"], "limit": spec["limit"], "num_fewshot": spec["num_fewshot"],
             "stock": ref["scores"], "ulacache": ula["scores"],
             "scores_equal": ref["scores"] == ula["scores"], "generations_identical": same,
             "num_docs": len(ref["generations"]),
@@ -254,6 +287,14 @@ def compare(model: str, *, limit: int = 8, ula_args: str = "", ref_args: str = "
             # Rows went to the host and came back: the comparison covered the tiered path,
             # not only the all-on-device fast path.
             "host_tier_used": bool(tiers and tiers["demotions"] > 0 and tiers["promotions"] > 0)}
+
+
+def compare(model: str, *, limit: int = 8, ula_args: str = "", ref_args: str = "",
+            task: str | None = None, dtype: str = "float32", max_gen: int = 48,
+            num_fewshot: int | None = None) -> dict:
+    (rep,) = compare_tasks(model, [{"task": task, "limit": limit, "num_fewshot": num_fewshot}],
+                           ula_args=ula_args, ref_args=ref_args, dtype=dtype, max_gen=max_gen)
+    return rep
 
 
 def main() -> int:

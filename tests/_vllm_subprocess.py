@@ -14,6 +14,7 @@ to return a JSON-serialisable result; ``run_vllm_script`` returns it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -85,29 +88,53 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
     The body is wrapped in ``if __name__ == "__main__":`` by being written to a file and
     run as the main module: vLLM's spawned workers re-import the main module, and the
     guard keeps them from running the body again.
+
+    A script emits once, at its end: the call returns as soon as the result is out, and the
+    process shuts its engine down in the background (``_SHUTTING_DOWN``; most of a vLLM
+    shutdown is waiting: ~5 s for the engine core to see its worker exit, then the client's
+    forced kill), overlapping whatever the test does next. A script that exits without a
+    result, or with an error before emitting one, fails as before. On timeout (or an
+    interrupt) the script is killed with every process it started.
     """
     if boots_engine:
         require_engine_marker()
+    _reap_shut_down()
     body = textwrap.dedent(code)
     script = _PRELUDE + "\n\ndef _main():\n" + textwrap.indent(body, "    ") + \
         "\n\nif __name__ == '__main__':\n    _main()\n"
     full_env = vllm_env(env)
     full_env["ULACACHE_SCRIPT_ARGS"] = json.dumps(args or {})
-    with tempfile.TemporaryDirectory(prefix="ulacache_vllm_script_") as td:
-        path = Path(td) / "script.py"
-        path.write_text(script)
-        try:
-            proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
-                                  timeout=timeout, env=full_env, cwd=td)
-        except subprocess.TimeoutExpired as e:
-            out = (e.stdout or b"")
-            err = (e.stderr or b"")
-            out = out.decode(errors="replace") if isinstance(out, bytes) else out
-            err = err.decode(errors="replace") if isinstance(err, bytes) else err
-            raise VllmScriptError(f"vLLM script timed out after {timeout}s\n"
-                                  f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
-    results = [line[len(_MARK):] for line in proc.stdout.splitlines() if line.startswith(_MARK)]
-    if results and proc.returncode == -signal.SIGABRT and "terminate called" in proc.stderr:
+    td = tempfile.TemporaryDirectory(prefix="ulacache_vllm_script_")
+    root = Path(td.name)
+    (root / "script.py").write_text(script)
+    out_path, err_path = root / "stdout", root / "stderr"
+    try:
+        with open(out_path, "w") as fo, open(err_path, "w") as fe:
+            proc = subprocess.Popen([sys.executable, str(root / "script.py")], stdout=fo,
+                                    stderr=fe, env=full_env, cwd=root)
+    except BaseException:
+        td.cleanup()
+        raise
+    try:
+        result = _wait_for_result(proc, out_path, timeout)
+    except subprocess.TimeoutExpired:
+        _kill_tree(proc)
+        out, err = _read(out_path), _read(err_path)
+        td.cleanup()
+        raise VllmScriptError(f"vLLM script timed out after {timeout}s\n"
+                              f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
+    except BaseException:  # interrupted: take the engine down with the test
+        _kill_tree(proc)
+        td.cleanup()
+        raise
+    if result is not None and proc.poll() is None:
+        with _SHUT_LOCK:
+            _SHUTTING_DOWN.append((proc, td, time.monotonic()))
+        return json.loads(result)
+    out, err = _read(out_path), _read(err_path)
+    td.cleanup()
+    results = [line[len(_MARK):] for line in out.splitlines() if line.startswith(_MARK)]
+    if results and proc.returncode == -signal.SIGABRT and "terminate called" in err:
         # The script finished and emitted its result; vLLM's CPU engine then occasionally
         # aborts in a C++ thread destructor while the interpreter shuts down (seen about once
         # in ten CI runs, stock backend included). That is not what the tests measure.
@@ -116,8 +143,108 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
     if proc.returncode != 0 or not results:
         raise VllmScriptError(
             f"vLLM script exited {proc.returncode} with {len(results)} results\n"
-            f"--- stdout ---\n{_tail(proc.stdout)}\n--- stderr ---\n{_tail(proc.stderr)}")
+            f"--- stdout ---\n{_tail(out)}\n--- stderr ---\n{_tail(err)}")
     return json.loads(results[-1])
+
+
+# Scripts that emitted their result and are still shutting their engine down: (process, its
+# temporary directory, when it was left). Reaped by later calls and at exit; one still running
+# SHUTDOWN_GRACE_S after it was left is killed with the processes it started.
+_SHUTTING_DOWN: list[tuple[subprocess.Popen, Any, float]] = []
+_SHUT_LOCK = threading.Lock()
+SHUTDOWN_GRACE_S = 60.0
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Kill the script and every process it started (vLLM's engine core and workers)."""
+    try:
+        import psutil
+
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except Exception:  # noqa: BLE001 - gone already, or no psutil: vLLM's children watch
+        kids = []      # their parent and exit with it
+    if proc.poll() is None:
+        proc.kill()
+    for k in kids:
+        try:
+            k.kill()
+        except Exception:  # noqa: BLE001 - exited meanwhile
+            pass
+    proc.wait()
+
+
+def _wait_for_result(proc: subprocess.Popen, out_path: Path, timeout: float) -> str | None:
+    """Poll until the script exits or its stdout holds a complete result line; returns that
+    line's JSON (None: exited without one). Raises subprocess.TimeoutExpired."""
+    deadline = time.monotonic() + timeout
+    mark = _MARK.encode()
+    seen, buf = 0, b""
+    while True:
+        done = proc.poll() is not None
+        with open(out_path, "rb") as f:
+            f.seek(seen)
+            chunk = f.read()
+        seen += len(chunk)
+        *lines, buf = (buf + chunk).split(b"\n")  # an incomplete last line waits for more
+        for line in lines:
+            if line.startswith(mark):
+                return line[len(mark):].decode()
+        if done:
+            return None
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        time.sleep(0.1)
+
+
+def _reap_shut_down(wait: bool = False) -> None:
+    """Forget the scripts that finished shutting down; kill those past SHUTDOWN_GRACE_S (with
+    ``wait``: wait for each up to its grace first, as at exit)."""
+    with _SHUT_LOCK:
+        left = list(_SHUTTING_DOWN)
+        _SHUTTING_DOWN.clear()
+    keep = []
+    for proc, td, since in left:
+        over = since + SHUTDOWN_GRACE_S - time.monotonic()
+        if proc.poll() is None and wait:
+            try:
+                proc.wait(timeout=max(0.0, over))
+            except subprocess.TimeoutExpired:
+                pass
+        killed = proc.poll() is None and (wait or over <= 0)
+        if killed:
+            _kill_tree(proc)
+        if proc.poll() is None:
+            keep.append((proc, td, since))
+            continue
+        _warn_unclean_exit(proc, Path(td.name) / "stderr", killed)
+        td.cleanup()
+    with _SHUT_LOCK:
+        _SHUTTING_DOWN.extend(keep)
+
+
+def _warn_unclean_exit(proc: subprocess.Popen, err_path: Path, killed: bool) -> None:
+    """A script that emitted its result and was left to shut down has ended: say so when that
+    shutdown was not clean (killed after SHUTDOWN_GRACE_S, or a non-zero exit other than the
+    known C++-destructor abort). Its test already has its result, so this warns (in pytest's
+    warnings summary; on stderr at exit) rather than failing a later test."""
+    if killed:
+        msg = f"still shutting down {SHUTDOWN_GRACE_S:.0f} s after emitting its result; killed"
+    elif proc.returncode == 0 or (proc.returncode == -signal.SIGABRT
+                                  and "terminate called" in _read(err_path)):
+        return
+    else:
+        msg = f"exited {proc.returncode} after emitting its result"
+    warnings.warn(f"vLLM script {msg}\n--- stderr ---\n{_tail(_read(err_path), 2000)}")
+
+
+atexit.register(_reap_shut_down, True)
 
 
 def run_side_by_side(*calls: Callable[[dict[str, str]], Any]) -> list[Any]:
@@ -287,6 +414,42 @@ def check_aborts(run: dict[str, Any], ref: dict[str, Any] | None = None) -> None
     if ref is not None:
         assert run["abort_survivors"] == ref["abort_survivors"]
         assert set(ref["abort_survivors"]) == {"a1", "a3"}
+
+
+# Speculative decoding with DeepSeek's MTP layer, drafts that agree often enough to be accepted
+# and not always (both paths of the verify step: accepted drafts' rows kept, rejected ones'
+# rewritten at the next step). The tiny model's MTP layer is built to agree with its target
+# (the model factory's ``mtp_block_scale``: it mostly reproduces the target's last hidden state,
+# so its draft is the target's last token again), and the prompts are each one word repeated,
+# on which the random target repeats itself often but not always. Measured on the tiny
+# DeepSeek-V3.2: ~20 % of the draft tokens accepted (the model's plain MTP layer on the earlier
+# varied prompts: 3 of 746).
+AGREEING_MTP = dict(num_nextn_predict_layers=1, mtp_block_scale=0.1)
+# Script fragment: ``prompts``, eight prompts of one repeated word each, ``words_per_prompt``
+# (a list of 8 ints) words long.
+REPEATED_WORD_PROMPTS = """
+_rep = "the during cache one and model page of".split()
+prompts = [" ".join([_rep[i]] * n) for i, n in enumerate(words_per_prompt)]
+"""
+# Script fragment (``llm`` in scope): the speculative-decoding counters (vector ones as lists).
+SPEC_DECODE_METRICS = """
+spec_metrics = {x.name: getattr(x, "value", getattr(x, "values", None))
+                for x in llm.get_metrics() if x.name.startswith("vllm:spec_decode_")}
+"""
+SPEC_DRAFTS = "vllm:spec_decode_num_draft_tokens"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
+
+
+def check_drafts_judged_both_ways(m: dict[str, Any], ref: dict[str, Any]) -> None:
+    """Speculative-decoding counters ``m`` against the stock run's ``ref``: drafts proposed,
+    some accepted and some rejected (0 < accepted < drafted; not a rare agreement), and the
+    same drafts judged alike: every counter equals stock's, draft position by position."""
+    assert m["vllm:spec_decode_num_drafts"] > 0, m
+    for k in ("vllm:spec_decode_num_drafts", SPEC_DRAFTS, SPEC_ACCEPTED,
+              "vllm:spec_decode_num_accepted_tokens_per_pos"):
+        assert m[k] == ref[k], (k, m, ref)
+    assert m[SPEC_DRAFTS] > m[SPEC_ACCEPTED] > 0, m
+    assert m[SPEC_ACCEPTED] >= m[SPEC_DRAFTS] // 20, m  # the agreeing MTP layer
 
 
 # Script fragment ending a script (``llm``, ``res`` in scope): the ulacache, preemption and

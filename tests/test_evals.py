@@ -4,14 +4,13 @@ a small ulacache budget, so rows spill to the host pool)."""
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from _vllm_subprocess import mla_path_kwargs
 
-pytestmark = pytest.mark.engine  # every test here boots vLLM (twice, through lm-eval)
+pytestmark = pytest.mark.engine  # every test here boots vLLM (stock and ulacache, through lm-eval)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 
@@ -23,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
 # caching.
 PINNED_ARGS = ",".join(f"{k}={v}" for k, v in mla_path_kwargs("reference", 1024).items())
 
-# The comparisons (``consistency.compare`` keyword arguments), by the test that reads each.
+# The comparisons (``consistency.compare`` keyword arguments), by the test that reads each;
+# those with the same engine arguments run on one engine per backend (``reports``).
 COMPARISONS = {
     # 8 four-shot prompts of ~340 tokens outgrow the ~2k device slots this budget leaves.
     "test_lm_eval_consistency_ulacache_vs_stock": dict(
@@ -41,32 +41,53 @@ COMPARISONS = {
 
 @pytest.fixture(scope="module")
 def reports(request, tiny_model):
-    """The comparisons the session selected, run side by side. Each is two lm-eval processes
-    in turn (stock, then ulacache), and a process is almost all start-up and shutdown (imports,
-    engine boot, task building: ~50 s against ~2 s of generation), mostly on one core: two at
-    once use both cores of a small host. Every process gets the same arguments and environment
-    as when run alone, and greedy decoding does not depend on timing. A comparison's error is
-    raised by its own test."""
-    from consistency import compare
+    """{test name: its comparison's report} for the comparisons the session selected, run
+    together: one lm-eval process per backend evaluates every selected task in turn on one
+    engine (both comparisons here have the same engine arguments, the reference MLA path's
+    schedule and the same budgets), and the stock and ulacache processes run side by side
+    (``side_by_side_binds``: each engine's compute threads on CPUs of their own, the same number
+    of threads on both sides; one after the other on a single CPU). A process is almost all
+    start-up and shutdown (imports, engine boot, task building: ~50 s against seconds of
+    generation), so one process per backend for both tasks, the two at once, costs about what
+    one process did. Greedy decoding does not depend on timing or on the tasks evaluated before
+    on the same engine (no prefix caching), and the ulacache process reads the tier counters
+    around each task, so each report's counters are its own task's. An error is raised by every
+    test that reads a report."""
+    from _vllm_subprocess import side_by_side_binds
+    from consistency import compare_tasks
 
     model = str(tiny_model("deepseek_v32"))
     selected = {item.originalname for item in request.session.items}
     names = [n for n in COMPARISONS if n in selected]
-    # ``compare`` starts each lm-eval process with a copy of this process's environment:
+    # ``compare_tasks`` starts each lm-eval process with a copy of this process's environment:
     # test-process flags must not reach those engines (see _vllm_subprocess.vllm_env).
     env = pytest.MonkeyPatch()
     env.delenv("TRITON_INTERPRET", raising=False)
-    pool = ThreadPoolExecutor(max_workers=max(1, len(names)), thread_name_prefix="lm_eval")
-    futures = {n: pool.submit(compare, model, **COMPARISONS[n]) for n in names}
+    groups: dict[tuple[str, str], list[str]] = {}
+    for n in names:
+        c = COMPARISONS[n]
+        groups.setdefault((c["ula_args"], c["ref_args"]), []).append(n)
+    out: dict[str, object] = {}
     try:
-        yield futures
+        for (ula_args, ref_args), group in groups.items():
+            tasks = [{k: COMPARISONS[n].get(k) for k in ("task", "limit", "num_fewshot")}
+                     for n in group]
+            try:
+                reps = compare_tasks(model, tasks, ula_args=ula_args, ref_args=ref_args,
+                                     side_by_side=side_by_side_binds(2))
+            except Exception as e:  # noqa: BLE001 - raised by each test that reads it
+                reps = [e] * len(group)
+            out.update(zip(group, reps))
+        yield out
     finally:
-        pool.shutdown(wait=True)
         env.undo()
 
 
 def _report(reports, name):
-    return reports[name].result()
+    rep = reports[name]
+    if isinstance(rep, Exception):
+        raise rep
+    return rep
 
 
 def test_lm_eval_consistency_ulacache_vs_stock(reports):

@@ -29,10 +29,10 @@ parts, each with a stated tolerance:
    comparison).
 
 Prompts of 5, 56 and 140 tokens with 8 generated tokens: the first dense (< 16 positions), the
-others really sparse (top-16 of up to 147). One subprocess runs all six engines (each model
-stock, then ``kv_backend="ulacache"`` twice, the same prompts, one prompt at a time so each
-indexer call belongs to one request); the ulacache runs are checked against the reference too,
-and against stock token for token. The first ulacache run has room for everything on the device
+others really sparse (top-16 of up to 147). One subprocess per model (the two side by side) runs
+its three engines (stock, then ``kv_backend="ulacache"`` twice, the same prompts, one prompt at
+a time so each indexer call belongs to one request); the ulacache runs are checked against the
+reference too, and against stock token for token. The first ulacache run has room for everything on the device
 (its identity-placement fast path). The second ("ulacache_tiered") has a 96-slot device pool
 and a host pool of one max_model_len request: the longer prompts outgrow the device, rows are
 demoted to the host and selected ones promoted back (its counters are checked), so the tiered
@@ -48,10 +48,11 @@ import math
 
 import pytest
 
-from _vllm_subprocess import BASE_LLM_KWARGS, MLA_LLM_KWARGS, mla_path_kwargs, run_vllm_script
+from _vllm_subprocess import (BASE_LLM_KWARGS, MLA_LLM_KWARGS, mla_path_kwargs,
+                              run_side_by_side, run_vllm_script)
 from ulacache_vllm.models.corpus import CORPUS
 
-pytestmark = pytest.mark.engine  # boots vLLM (one subprocess, six engines, ~90 s)
+pytestmark = pytest.mark.engine  # boots vLLM (two subprocesses side by side, three engines each)
 
 TOL = 5e-4  # logprob abs diff, float32 on both sides (measured <= 2.5e-5)
 SELECT_TOL = 1e-3  # near-tie room in the top-k, relative to the row's largest |score|
@@ -113,8 +114,8 @@ emit(out)
 
 @pytest.fixture(scope="module")
 def vllm_outputs(tiny_model) -> dict:
-    """{model name: {run: {"outputs": per prompt {...}, "seconds", "usage"}}} from one
-    subprocess ("usage": the ulacache runs' ``ulacache_usage`` after their last prompt)."""
+    """{model name: {run: {"outputs": per prompt {...}, "seconds", "usage"}}}, a subprocess per
+    model ("usage": the ulacache runs' ``ulacache_usage`` after their last prompt)."""
     # The reference MLA path's schedule on every host (block 16, no chunked prefill or
     # prefix caching), the one the tolerances were measured on: with AMX tiles vLLM would
     # give these DSA models block 128, chunked prefill and (stock) prefix caching.
@@ -124,12 +125,17 @@ def vllm_outputs(tiny_model) -> dict:
            "ulacache": {**base, "kv_backend": "ulacache", "ula_host_pool_gib": 0.006},
            "ulacache_tiered": {**base, "kv_backend": "ulacache", **TIERED}}
     paths = {name: str(tiny_model(name)) for name in MODELS}
-    runs = [(paths[name], label, kws[label]) for name in MODELS for label in RUNS]
-    # in-process engine (no engine-core process): the selections are recorded in the script
-    res = run_vllm_script(_SCRIPT, args=dict(prompts=PROMPTS, max_tokens=MAX_TOKENS,
-                                             runs=runs), timeout=1200,
-                          env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    return {name: res[paths[name]] for name in MODELS}
+
+    def model_runs(name):
+        # in-process engines (no engine-core process): the selections are recorded in the
+        # script; one interpreter per model, the two side by side (``run_side_by_side``:
+        # CPUs of their own, the same number of compute threads)
+        runs = [(paths[name], label, kws[label]) for label in RUNS]
+        return lambda bind: run_vllm_script(
+            _SCRIPT, args=dict(prompts=PROMPTS, max_tokens=MAX_TOKENS, runs=runs),
+            timeout=1200, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **bind})[paths[name]]
+
+    return dict(zip(MODELS, run_side_by_side(*map(model_runs, MODELS))))
 
 
 # --------------------------------------------------------------------------------------------

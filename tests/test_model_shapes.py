@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import mla_path_kwargs, run_vllm_script
+from _vllm_subprocess import mla_path_kwargs, run_side_by_side, run_vllm_script
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -40,17 +40,21 @@ emit(res)
 
 @pytest.fixture(scope="module")
 def runs(tiny_model):
-    model = tiny_model("deepseek_v32", **SHAPE)
-    out = {}
-    for backend in ("vllm", "ulacache"):
-        kw, env = {"kv_backend": backend, **mla_path_kwargs("reference")}, None
+    """Stock and ulacache, side by side (``run_side_by_side``: disjoint CPUs, the same number
+    of compute threads)."""
+    model = str(tiny_model("deepseek_v32", **SHAPE))
+
+    def run(backend):
+        kw = {"kv_backend": backend, **mla_path_kwargs("reference")}
         if backend == "ulacache":
             kw.update(kv_cache_memory_bytes=ULA_KV_BYTES, ula_host_pool_gib=ULA_HOST_GIB)
         else:
             kw.update(kv_cache_memory_bytes=256 << 20)
-        out[backend] = run_vllm_script(SCRIPT, args={"model": str(model), "kw": kw},
-                                       timeout=900, env=env)
-    return out
+        return lambda bind: run_vllm_script(SCRIPT, args={"model": model, "kw": kw},
+                                            timeout=900, env=bind)
+
+    ref, ula = run_side_by_side(run("vllm"), run("ulacache"))
+    return {"vllm": ref, "ulacache": ula}
 
 
 def test_other_shape_token_exact_under_pressure(runs):

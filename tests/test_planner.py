@@ -1,8 +1,8 @@
 """The capacity planner (`python -m ulacache_vllm.planner`): the presets print a table, its
 ulacache figures are the engine's own `plan_layout` (DSA) and `plan_arena` (hybrids) figures,
 TP sharding beats replication and stock, the H200 -> B300 direction, clear errors for bad
-inputs, and (one engine boot per family: tiny DeepSeek-V3.2, tiny Qwen3-Next) the planner's
-figure equals the engine's startup figure."""
+inputs, and (an engine boot per family, tiny DeepSeek-V3.2 and tiny Qwen3-Next, one after the
+other in one interpreter) the planner's figure equals the engine's startup figure."""
 from __future__ import annotations
 
 import subprocess
@@ -337,42 +337,61 @@ def test_importing_the_planner_does_not_import_vllm():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-ENGINE_SCRIPT = r"""
+# Both engines boot in one interpreter, one after the other, with the engine core in-process
+# (VLLM_ENABLE_V1_MULTIPROCESSING=0): a startup figure is the engine core's KV sizing, the same
+# in either process layout, and one interpreter spares the per-engine imports and process
+# spawns of two separate boots. Each engine only starts and reports its figure.
+STARTUP_SCRIPT = r"""
+import gc
 from vllm import LLM
-llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
-          max_num_seqs=8, seed=0, kv_backend="ulacache",
-          kv_cache_memory_bytes=ARGS["kv_bytes"], ula_host_pool_gib=ARGS["host_gib"],
-          **ARGS["path"])
+out = {}
+kv = ARGS["kv_bytes"]
+llm = LLM(model=ARGS["models"]["deepseek_v32"], dtype="float32", enforce_eager=True,
+          max_model_len=1024, max_num_seqs=8, seed=0, kv_backend="ulacache",
+          kv_cache_memory_bytes=kv, ula_host_pool_gib=ARGS["host_gib"], **ARGS["path"])
 usage = llm.collective_rpc("ulacache_usage")[0]
-emit({"num_logical": usage["num_logical"], "block_size": usage["block_size"]})
-"""
-
-ARENA_SCRIPT = r"""
-from vllm import LLM
-llm = LLM(model=ARGS["model"], dtype="bfloat16", enforce_eager=True, max_model_len=1024,
-          max_num_batched_tokens=1024, seed=0, kv_backend="ulacache",
-          kv_cache_memory_bytes=ARGS["kv_bytes"], mamba_ssm_cache_dtype="float32",
+out["deepseek_v32"] = {"num_logical": usage["num_logical"], "block_size": usage["block_size"]}
+del llm
+gc.collect()
+llm = LLM(model=ARGS["models"]["qwen3_next"], dtype="bfloat16", enforce_eager=True,
+          max_model_len=1024, max_num_batched_tokens=1024, seed=0, kv_backend="ulacache",
+          kv_cache_memory_bytes=kv, mamba_ssm_cache_dtype="float32",
           enable_prefix_caching=False)  # the planner's arena row models caching off
 usage = llm.collective_rpc("ulacache_usage")[0]
-emit({k: usage[k] for k in ("max_requests", "kinds", "alignment")})
+out["qwen3_next"] = {k: usage[k] for k in ("max_requests", "kinds", "alignment")}
+emit(out)
 """
+STARTUP_KV_BYTES = 20_000_000
+STARTUP_HOST_GIB = 0.01
+
+
+@pytest.fixture(scope="module")
+def startup_figures(tiny_model):
+    """{family: the engine's startup figures} of tiny DeepSeek-V3.2 (with a host pool, the
+    reference MLA path's schedule) and tiny Qwen3-Next booted with ``STARTUP_KV_BYTES``."""
+    from _vllm_subprocess import mla_path_kwargs, run_vllm_script
+
+    models = {f: str(tiny_model(f)) for f in ("deepseek_v32", "qwen3_next")}
+    return run_vllm_script(STARTUP_SCRIPT, timeout=900, args={
+        "models": models, "kv_bytes": STARTUP_KV_BYTES, "host_gib": STARTUP_HOST_GIB,
+        # block 16, no chunked prefill, 2048-token steps
+        "path": mla_path_kwargs("reference")}, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("family", ["deepseek_v32", "qwen3_next"])
-def test_planner_matches_the_engines_startup_figure(tiny_model, family):
+def test_planner_matches_the_engines_startup_figure(tiny_model, startup_figures, family):
     """A tiny model booted with a given KV budget holds exactly what the planner computes from
     its config.json for the same budget: DeepSeek-V3.2 (with a host pool) the logical tokens
     of engine.sizing's layout; Qwen3-Next (GDN + full attention, the arena) the max concurrent
     requests of max_model_len the engine logs at startup, with the same page kinds, sizes and
     alignment."""
-    from _vllm_subprocess import mla_path_kwargs, run_vllm_script
+    from _vllm_subprocess import mla_path_kwargs
 
     model = tiny_model(family)
-    kv_bytes = 20_000_000
+    kv_bytes = STARTUP_KV_BYTES
+    got = startup_figures[family]
     if family == "qwen3_next":
-        got = run_vllm_script(ARENA_SCRIPT, timeout=900,
-                              args={"model": str(model), "kv_bytes": kv_bytes})
         # The SSM state in float32 on both sides: vLLM's CPU build forces it on AVX512-BF16
         # hosts and keeps the model dtype elsewhere; given, it is the same on every host.
         shape = load_model(model)
@@ -391,10 +410,8 @@ def test_planner_matches_the_engines_startup_figure(tiny_model, family):
         assert lay.alignment == got["alignment"]
         assert row.requests == got["max_requests"] > 0
         return
-    host_gib = 0.01
+    host_gib = STARTUP_HOST_GIB
     path = mla_path_kwargs("reference")  # block 16, no chunked prefill, 2048-token steps
-    got = run_vllm_script(ENGINE_SCRIPT, timeout=900, args={
-        "model": str(model), "kv_bytes": kv_bytes, "host_gib": host_gib, "path": path})
     p = plan(load_model(model),
              make_cluster(gpus=1, tp=1, host_gib_per_gpu=host_gib, kv_bytes_per_gpu=kv_bytes,
                           max_num_batched_tokens=path["max_num_batched_tokens"],

@@ -12,13 +12,16 @@ server would cost two more engine cores.
 """
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
 
 import pytest
 import requests
 
 from test_serve import (HOLDABLE_ARGS, HOLDABLE_ENV, _assert_texts_equal, _both, _metric, _moved,
-                        _pools_back_to_zero, concurrent_greedy, serve_many)
+                        _pools_back_to_zero, _start, _stop, _wait_healthy, concurrent_greedy)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -33,16 +36,42 @@ def _per_engine(text: str, name: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def dp_servers(tiny_model, tmp_path_factory):
-    """(ulacache DP=2 server: base URL, model, log), stock single-rank server's base URL."""
+def all_servers(tiny_model, tmp_path_factory):
+    """The module's three servers, booted at the same time (their start-up overlaps; both tests
+    need all three): a ulacache DP=2 server, a stock single-rank server, and a ulacache DP=2
+    server with vLLM's prefix caching on (the reference path's flags turn it off; the later
+    flag wins). Yields {"ula", "stock", "ula_prefix"}: (base URL, model, log). At the end every
+    server is sent SIGTERM before any is waited for, so their shutdowns overlap too."""
     model = tiny_model("deepseek_v32", first_k_dense_replace=2)  # both layers dense MLP
     d = tmp_path_factory.mktemp("serve_dp")
-    log, stock_log = d / "serve.log", d / "stock.log"
-    with serve_many([dict(model=model, log=log, env_extra=HOLDABLE_ENV,
-                          extra_args=["--data-parallel-size", "2", *HOLDABLE_ARGS]),
-                     dict(model=model, log=stock_log, extra_args=[], backend="vllm")],
-                    timeout=400) as (base, stock):
-        yield (base, str(model), log), stock
+    specs = {
+        "ula": dict(model=model, log=d / "serve.log", env_extra=HOLDABLE_ENV,
+                    extra_args=["--data-parallel-size", "2", *HOLDABLE_ARGS]),
+        "stock": dict(model=model, log=d / "stock.log", extra_args=[], backend="vllm"),
+        "ula_prefix": dict(model=model, log=d / "serve_prefix.log", env_extra=HOLDABLE_ENV,
+                           extra_args=["--data-parallel-size", "2", "--enable-prefix-caching",
+                                       *HOLDABLE_ARGS]),
+    }
+    procs = {}
+    try:
+        for name, spec in specs.items():
+            procs[name] = _start(**spec)
+        deadline = time.time() + 400
+        for name, (proc, base) in procs.items():
+            _wait_healthy(proc, base, specs[name]["log"], deadline)
+        yield {name: (base, str(model), specs[name]["log"]) for name, (_, base) in procs.items()}
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for proc, _ in procs.values():
+            _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def dp_servers(all_servers):
+    """(ulacache DP=2 server: base URL, model, log), stock single-rank server's base URL."""
+    return all_servers["ula"], all_servers["stock"][0]
 
 
 def test_dp_ranks_equal_stock_and_move_their_own_tiers(dp_servers):
@@ -68,16 +97,9 @@ def test_dp_ranks_equal_stock_and_move_their_own_tiers(dp_servers):
 
 
 @pytest.fixture(scope="module")
-def dp_prefix_server(tiny_model, tmp_path_factory):
-    """A ulacache DP=2 server with vLLM's prefix caching on (the reference path's flags turn
-    it off; the later flag wins): base URL, model, log."""
-    model = tiny_model("deepseek_v32", first_k_dense_replace=2)
-    log = tmp_path_factory.mktemp("serve_dp_prefix") / "serve.log"
-    with serve_many([dict(model=model, log=log, env_extra=HOLDABLE_ENV,
-                          extra_args=["--data-parallel-size", "2", "--enable-prefix-caching",
-                                      *HOLDABLE_ARGS])],
-                    timeout=400) as (base,):
-        yield base, str(model), log
+def dp_prefix_server(all_servers):
+    """A ulacache DP=2 server with vLLM's prefix caching on: base URL, model, log."""
+    return all_servers["ula_prefix"]
 
 
 def _shared_prefix_waves() -> list[list[str]]:

@@ -362,7 +362,8 @@ def e2e_llm_kwargs(name: str) -> dict:
     return kw
 
 
-def _run_e2e(model: Path, batch_checks: bool, llm_kwargs: dict, timeout=400) -> dict:
+def _run_e2e(model: Path, batch_checks: bool, llm_kwargs: dict, timeout=400,
+             env_extra: dict | None = None) -> dict:
     from _vllm_subprocess import vllm_env
 
     spec = dict(prompts=_prompts(), max_tokens=MAX_TOKENS, num_logprobs=NUM_LOGPROBS,
@@ -370,7 +371,7 @@ def _run_e2e(model: Path, batch_checks: bool, llm_kwargs: dict, timeout=400) -> 
     # The harness's engine environment (no VLLM_CPU_KVCACHE_SPACE, no test-process flags
     # such as TRITON_INTERPRET, the checkout on PYTHONPATH); the engine runs in-process so
     # the script's hooks see the model.
-    env = vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    env = vllm_env({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env_extra or {})})
     proc = subprocess.run(
         [sys.executable, str(E2E_SCRIPT), "--model", str(model), "--spec", json.dumps(spec)],
         capture_output=True, text=True, timeout=timeout, env=env, cwd=str(model.parent))
@@ -407,16 +408,30 @@ def e2e_models(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def e2e(e2e_models):
-    """Lazily runs one engine per model and caches its JSON result."""
-    cache: dict[str, dict] = {}
+    """The three engines' JSON results, run at the first test that asks for one: two lanes side
+    by side (``side_by_side_binds``: each lane's engines on CPUs of their own, the same number
+    of compute threads in every engine; one lane after the other on a single CPU), the sparse
+    model (its batch checks make it the longest) in one, the full-top-k model and the dense
+    twin in the other."""
+    cache: dict[str, dict | Exception] = {}
 
     def get(name: str) -> dict:
-        from _vllm_subprocess import require_engine_marker
+        from _vllm_subprocess import require_engine_marker, run_side_by_side
 
         require_engine_marker()
-        if name not in cache:
-            cache[name] = _run_e2e(e2e_models[name], batch_checks=(name == "sparse"),
-                                   llm_kwargs=e2e_llm_kwargs(name))
+        if not cache:
+            def lane(*names):
+                def run(bind):
+                    for n in names:
+                        try:
+                            cache[n] = _run_e2e(e2e_models[n], batch_checks=(n == "sparse"),
+                                                llm_kwargs=e2e_llm_kwargs(n), env_extra=bind)
+                        except Exception as e:  # noqa: BLE001 - raised by the tests that read it
+                            cache[n] = e
+                return run
+            run_side_by_side(lane("sparse"), lane("full", "dense"))
+        if isinstance(cache[name], Exception):
+            raise cache[name]
         return cache[name]
 
     return get
