@@ -163,11 +163,13 @@ def select_topk(
     vals = torch.full((n, topk), float("-inf"), dtype=torch.float32)
     out = torch.full((n, topk), -1, dtype=torch.int32)
     short = positions + 1 <= topk
-    if bool(short.any()):
+    n_short = int(short.sum())
+    if n_short:
         vals[short], out[short] = all_causal_keys(positions[short], key_pos, topk)
-    rows = (~short).nonzero().squeeze(1)
-    for s in range(0, rows.numel(), SCORE_CHUNK):
-        r = rows[s:s + SCORE_CHUNK]
+    # (the rows to score: all of them in a decode past the top-k, as a slice)
+    rows = (~short).nonzero().squeeze(1) if n_short else None
+    for s in range(0, n - n_short, SCORE_CHUNK):
+        r = slice(s, min(n, s + SCORE_CHUNK)) if rows is None else rows[s:s + SCORE_CHUNK]
         qs = fp8_to_float(q[r], FP8_TABLE64) if q_fp8 else q[r]
         exact = keys_exact and (q_fp8 or on_fp8_grid(qs))
         logits = indexer_logits(qs, weights[r], keys, positions[r], key_pos, exact)

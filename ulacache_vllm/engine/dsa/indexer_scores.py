@@ -23,9 +23,9 @@ reduction order can change, and no host-specific branch:
 `scores(q, keys)` picks the path from the data (`on_fp8_grid`): one elementwise pass over the
 queries and the keys, cheap beside the product. `indexer_logits` is the indexer's whole score,
 ``sum_h w[t, h] * relu(q[t, h] . k[s])`` over each query's causal keys, in tiles of queries
-and keys small enough for the product's output to stay in cache while it is rounded, rectified,
-weighted and summed over heads (elementwise ops and a head tree fixed by H: a tile's bits are
-the whole's).
+and keys (a few MiB of product in reused buffers: no full-size float64 copy of the keys or the
+product, no fresh pages per call) rounded, rectified, weighted and summed over heads there
+(elementwise ops and a head tree fixed by H: a tile's bits are the whole's).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ MAX_ROW_EXPONENT_SPAN = 17  # fp8 e4m3: 448 = 1.75 * 2**8 down to 2**-9
 MAX_EXACT_DIM = 1 << 11  # 21-bit rows: 42-bit products, a sum of up to 2**11: < 2**53
 FIXED_ORDER_CHUNK = 1 << 23  # elements of one product block on the fixed-order path
 TILE_ROWS = 256  # (query, head) rows of one tile of `indexer_logits`
-TILE_KEYS = 1024  # keys of one tile: a float64 product of 2 MiB, in L2 while it is reduced
+TILE_KEYS = 2048  # keys of one tile (2 MiB of float64 keys; 4 MiB of product at 256 rows)
 FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float()
 FP8_TABLE64 = FP8_TABLE.double()
 
@@ -165,6 +165,8 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys,
     if n == 0 or L == 0:
         return out
     per = max(1, TILE_ROWS // H)
+    rows_max = min(per, n) * H
+    tk = TILE_KEYS
     tiles = [(a, min(n, a + per)) for a in range(0, n, per)]
     # A key after a tile's last query is no query's: the causal triangle is skipped.
     last = positions.new_full((len(tiles) * per,), int(positions.min()))
@@ -175,15 +177,15 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys,
     fp8 = isinstance(keys, Fp8Keys)
     if exact:
         q_all = q.double().reshape(n * H, D)
-        kbuf = torch.empty(TILE_KEYS * D, dtype=torch.float64)
-        gbuf = torch.empty(per * H * TILE_KEYS, dtype=torch.float64)
-        sbuf = torch.empty(per * H * TILE_KEYS, dtype=torch.float32)
+        kbuf = torch.empty(tk * D, dtype=torch.float64)
+        gbuf = torch.empty(rows_max * tk, dtype=torch.float64)
+        sbuf = torch.empty(rows_max * tk, dtype=torch.float32)
         scales = keys.scales.double() if fp8 else None
     else:
         q_all = q.float()
         kf = (keys.dequantized() if fp8 else keys).float()
-    for c in range(0, max(lims), TILE_KEYS):
-        d = min(max(lims), c + TILE_KEYS)
+    for c in range(0, max(lims), tk):
+        d = min(max(lims), c + tk)
         if exact:
             if fp8:  # times its power-of-two scale: exact
                 kt = fp8_to_float(keys.codes[c:d], FP8_TABLE64, kbuf[:(d - c) * D])
