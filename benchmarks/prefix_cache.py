@@ -55,6 +55,7 @@ pages moved, cache evictions).
 
     python benchmarks/prefix_cache.py --hybrid                 # all three models, 2 repeats
     python benchmarks/prefix_cache.py --hybrid --models gpt_oss --repeats 3
+    python benchmarks/prefix_cache.py --hybrid --models qwen3_next --hybrid-workloads shared
 
 Writes ``prefix_cache_hybrid[_quick].json`` into ``--out``.
 """
@@ -300,6 +301,7 @@ HYBRID_CONFIGS = (("ulacache", {"kv_backend": "ulacache"}),
                   ("stock", {"kv_backend": "vllm"}),
                   ("stock-bs32", {"kv_backend": "vllm", "block_size": 32}))
 HYBRID_MARK = "@@PREFIX_HYBRID@@"
+HYBRID_WORKLOADS = ("shared", "chat")
 ARENA_FIGURES = ("compactions", "relayouts", "cached_pages_moved", "cache_evictions")
 
 
@@ -359,6 +361,9 @@ def hybrid_worker(cfg: dict) -> dict:
         run("shared/wave1", first, w["out"], rows)
         run("shared/wave2", [h + ids(t) for h in heads for t in w["tails"][1]] + first[:1],
             w["out"], rows)
+        if "chat" not in cfg.get("workloads", HYBRID_WORKLOADS):
+            repeats.append(rows)
+            continue
         assert llm.reset_prefix_cache()
         hist = [ids(w["chat_first"]) for _ in range(w["chats"])]
         for t in range(w["turns"]):
@@ -397,17 +402,17 @@ def run_hybrid(a) -> None:
             if name == "qwen3_next" and "block_size" in kw:
                 continue  # the GDN-aligned block is not the user's to choose
             cfg = {"model": model, "dtype": dtype, "kv_bytes": kv_bytes, "kw": kw,
-                   "batch_tokens": batch_tokens,
+                   "batch_tokens": batch_tokens, "workloads": a.hybrid_workloads,
                    "workload": wl, "repeats": a.repeats}
             print(f"[prefix_cache --hybrid] {name} / {cname}", flush=True)
             res = _hybrid_subprocess(cfg, a.timeout)
             rows["configs"][cname] = res
-            _hybrid_report(name, cname, res)
+            _hybrid_report(name, cname, res, a.hybrid_workloads)
     stem = "prefix_cache_hybrid" + ("_quick" if a.quick else "")
     path = Path(a.out) / f"{stem}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"args": vars(a), **out}, indent=1, default=str))
-    _hybrid_summary(out)
+    _hybrid_summary(out, a.hybrid_workloads)
     print(f"wrote {path}")
 
 
@@ -449,20 +454,20 @@ def _phase_totals(rows: list[dict], prefix: str) -> dict:
             "digests": [r["digest"] for r in sel]}
 
 
-def _hybrid_report(name: str, cname: str, res: dict) -> None:
+def _hybrid_report(name: str, cname: str, res: dict, workloads=HYBRID_WORKLOADS) -> None:
     for i, rows in enumerate(res["repeats"]):
-        for wl in ("shared", "chat"):
+        for wl in workloads:
             t = _phase_totals(rows, wl)
             print(f"  {name:<10} {cname:<10} bs={res['block_size']:<4} rep {i} {wl:<6} "
                   f"hit {t['hit_tokens']:>6} / {t['prompt_tokens']:>6}  computed "
                   f"{t['computed_tokens']:>6}  TTFT mean {t['ttft_ms_mean']:8.1f} ms", flush=True)
 
 
-def _hybrid_summary(out: dict) -> None:
+def _hybrid_summary(out: dict, workloads=HYBRID_WORKLOADS) -> None:
     print("\nhit tokens, ulacache / stock (each repeat):")
     for name, m in out["models"].items():
         cfgs = m["configs"]
-        for wl in ("shared", "chat"):
+        for wl in workloads:
             ula = [_phase_totals(r, wl)["hit_tokens"] for r in cfgs["ulacache"]["repeats"]]
             for base in ("stock", "stock-bs32"):
                 if base not in cfgs:
@@ -517,7 +522,13 @@ def main() -> None:
     ap.add_argument("--models", default=",".join(HYBRID), help="--hybrid: models to run")
     ap.add_argument("--repeats", type=int, default=2,
                     help="--hybrid: runs of both workloads per engine (cache reset between)")
+    ap.add_argument("--hybrid-workloads", default=",".join(HYBRID_WORKLOADS),
+                    type=lambda s: tuple(w for w in s.split(",") if w),
+                    help="--hybrid: the workloads to run (shared, chat)")
     a = ap.parse_args()
+    if a.hybrid and (not a.hybrid_workloads or set(a.hybrid_workloads) - set(HYBRID_WORKLOADS)
+                     or "shared" not in a.hybrid_workloads):
+        ap.error(f"--hybrid-workloads: 'shared' or 'shared,chat' (got {a.hybrid_workloads})")
     if a.hybrid:
         run_hybrid(a)
         return

@@ -1,5 +1,7 @@
 """The arena manager's copy of vLLM's `allocate_slots` steps is tied to the upstream method it
-copies: another vLLM (or another body) fails loudly instead of running stale steps."""
+copies: another vLLM (or another body) fails loudly instead of running stale steps. So is
+ulacache's scheduler's override of vLLM's align-mode prefill split (the GDN models' coarse
+state checkpoint, issue 45), whose cut, stop and checkpoint size are checked here too."""
 from __future__ import annotations
 
 import pytest
@@ -37,3 +39,74 @@ def test_async_load_arguments_are_refused_not_dropped(kw):
     m._state = SimpleNamespace(owner=None)  # (the refusal comes before any manager state)
     with pytest.raises(NotImplementedError, match="external KV"):
         m.allocate_slots(SimpleNamespace(request_id="r"), 16, **kw)
+
+
+def test_the_checkpoint_split_hook_is_vllms_and_a_moved_one_fails_loudly(monkeypatch):
+    """ulacache's scheduler overrides `Scheduler._mamba_block_aligned_split` (issue 45's coarse
+    GDN state checkpoint): tied to the installed method's parameters and vLLM's version."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from ulacache_vllm.patches import mamba_checkpoint_split as hook
+
+    hook.check()
+
+    def moved(self, request, num_new_tokens):  # another signature
+        return num_new_tokens
+
+    monkeypatch.setattr(Scheduler, "_mamba_block_aligned_split", moved)
+    with pytest.raises(VllmHookError, match="_mamba_block_aligned_split"):
+        hook.check()
+
+
+@pytest.mark.parametrize("computed,local,n,stop,want", [
+    (0, 0, 3008, 2560, 2560),  # a prompt's first chunk ends at the coarse checkpoint
+    (2560, 0, 448, 2560, 448),  # the chunk starting there: vLLM's
+    (0, 2560, 489, 2560, 489),  # a sibling hitting it: vLLM's
+    (0, 0, 2560, 2560, 2560),  # vLLM already ends there
+    (0, 0, 1024, 2560, 1024),  # the stop is past this chunk
+    (0, 0, 3008, 0, 3008),  # no stop (any line but the arena's GDN models)
+])
+def test_the_split_cuts_vllms_chunk_only_at_a_stop_inside_it(computed, local, n, stop, want):
+    from types import SimpleNamespace
+
+    from ulacache_vllm.patches.mamba_checkpoint_split import split
+
+    calls = []
+
+    def orig(request, num_new_tokens, num_local, num_external):
+        calls.append((num_new_tokens, num_local, num_external))
+        return n  # vLLM's chunk
+
+    sched = SimpleNamespace(kv_cache_manager=SimpleNamespace(
+        prefill_checkpoint_stop=lambda request: stop))
+    request = SimpleNamespace(num_computed_tokens=computed)
+    assert split(orig, sched, request, 4096, local, 0) == want
+    assert calls == [(4096, local, 0)]
+
+
+def test_the_coarse_state_checkpoint_is_stocks_last_cacheable_block():
+    from ulacache_vllm.engine.arena.pools import state_checkpoint
+
+    assert state_checkpoint(3040, 640, False) == 2560
+    assert state_checkpoint(3049, 640, False) == 2560
+    assert state_checkpoint(2561, 640, False) == 2560
+    assert state_checkpoint(2560, 640, False) == 1920  # (the last token is recomputed)
+    assert state_checkpoint(3040, 0, False) == 0
+
+
+def test_the_arena_checkpoints_gdn_state_at_stocks_block():
+    """Stock's CPU block for a GDN hybrid (the smallest multiple of 128 tokens whose attention
+    page holds a state page): 640 tokens on the tiny Qwen3-Next's shapes; none where that
+    block is no coarser than the state page or without state layers."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from ulacache_vllm.engine.arena.sizing import state_checkpoint_tokens
+
+    state = MambaSpec(shapes=((3, 1024), (4, 128, 128)), dtypes=(torch.bfloat16, torch.float32),
+                      block_size=32)  # 268,288 B: tiny Qwen3-Next's GDN layer
+    full = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    assert state_checkpoint_tokens([(["l0", "l1", "l2"], state), (["l3"], full)]) == 640
+    assert state_checkpoint_tokens([(["l3"], full)]) == 0
+    wide = MambaSpec(shapes=state.shapes, dtypes=state.dtypes, block_size=1024)
+    assert state_checkpoint_tokens([(["l0"], wide), (["l3"], full)]) == 0

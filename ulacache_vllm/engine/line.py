@@ -96,6 +96,12 @@ class LineManager:
         """The scheduler processed the output of the step that carried ``payload``."""
         return None
 
+    def prefill_checkpoint_stop(self, request: Any) -> int:
+        """A token position where a prefill chunk of ``request`` must also end, besides
+        vLLM's own stops (GDN/mamba "align" mode checkpoints a state only where a chunk
+        ends), or 0."""
+        return 0
+
 
 class LineWorker:
     """Worker-side hooks of a line (one per worker process)."""

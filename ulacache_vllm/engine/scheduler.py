@@ -3,16 +3,18 @@
 They are vLLM's own schedulers (sync and async) with the KV cache manager swapped for the one
 the product line's layout names (`line.LineLayout.manager_cls`: the logical address space's
 `UlaKVCacheManager` for DSA models, the arena's `ArenaKVCacheManager` for hybrid models).
-Everything else (admission order, preemption, connectors) is vLLM's. Two hooks of the line
-run here: which requests a failed copy's lost blocks end (`lost_block_owners`), and the close
-of a step once its output is processed (`step_processed`); a finished request skips vLLM's
-connector hook (ulacache's connector takes nothing from it).
+Everything else (admission order, preemption, connectors) is vLLM's. Three hooks of the line
+run here: which requests a failed copy's lost blocks end (`lost_block_owners`), the close
+of a step once its output is processed (`step_processed`) and one more prefill stop in
+GDN/mamba "align" mode (`prefill_checkpoint_stop`, through `patches/mamba_checkpoint_split`);
+a finished request skips vLLM's connector hook (ulacache's connector takes nothing from it).
 """
 from __future__ import annotations
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from ulacache_vllm.patches import mamba_checkpoint_split
 from ulacache_vllm.patches.scheduler_manager import use_manager
 
 from .connector import UlaCacheConnector
@@ -24,6 +26,7 @@ for _hook in ("_handle_invalid_blocks", "_connector_finished"):
     if not callable(getattr(Scheduler, _hook, None)):
         raise ImportError(f"ulacache: vLLM's Scheduler.{_hook} moved (this vLLM is not the "
                           "0.32 ulacache's scheduler was built for)")
+mamba_checkpoint_split.check()
 
 
 class _UlaSchedulerMixin:
@@ -39,6 +42,14 @@ class _UlaSchedulerMixin:
             invalid_block_ids, self.running,
             lambda: super(_UlaSchedulerMixin, self)._handle_invalid_blocks(
                 invalid_block_ids, num_scheduled_tokens))
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens,
+                                   num_new_local_computed_tokens=0,
+                                   num_external_computed_tokens=0):
+        # vLLM's chunk, also cut where the line checkpoints a prompt's state.
+        return mamba_checkpoint_split.split(
+            super()._mamba_block_aligned_split, self, request, num_new_tokens,
+            num_new_local_computed_tokens, num_external_computed_tokens)
 
     def _connector_finished(self, request):
         # ulacache's connector takes nothing from a finished request (the KV cache manager

@@ -50,7 +50,10 @@ Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
 - GDN/mamba state runs vLLM's "align" mode (state checkpoints at page boundaries, the
   checkpoint page is the state's natural size); ``sizing.prepare`` pins the state block to
   the attention page, so no hit ends inside a block (no copy-on-write), and the worker
-  translates align-mode state copies (``patches/mamba_align_translate``).
+  translates align-mode state copies (``patches/mamba_align_translate``). A prompt's prefill
+  also stops, and its state stays cached, at stock's coarser block
+  (``prefill_checkpoint_stop``, ``pools.keep_state_checkpoints``), so a prompt sharing its
+  prefix with another tail hits where stock's blocks let it (issue 45).
 """
 from __future__ import annotations
 
@@ -61,7 +64,15 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 from vllm.v1.request import RequestStatus
 
 from ..line import LineManager, layout_of
-from .pools import NULL_KIND, ArenaBlockPool, ArenaStepPlan, ArenaState, keep_sibling_tails
+from .pools import (
+    NULL_KIND,
+    ArenaBlockPool,
+    ArenaStepPlan,
+    ArenaState,
+    keep_sibling_tails,
+    keep_state_checkpoints,
+    state_checkpoint,
+)
 
 __all__ = ["ArenaKVCacheManager", "ArenaStepPlan"]
 
@@ -111,8 +122,12 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         for i, mgr in enumerate(self.coordinator.single_type_managers):
             mgr.block_pool = ArenaBlockPool(st, i + 1, hbs, self.enable_caching, events)
             mgr._null_block = st.null_block
+        self._checkpoint_tokens = 0  # GDN/mamba: the coarse state checkpoint (0: none)
         if self.enable_caching:
             keep_sibling_tails(self.coordinator.single_type_managers, st)
+            self._checkpoint_tokens = keep_state_checkpoints(
+                self.coordinator.single_type_managers, layout.state_checkpoint_tokens,
+                self.use_eagle)
             # How long a hit of a released prompt is (vLLM's lookup), for the reclaim.
             st.hit_length = lambda hashes, n: self.coordinator.find_longest_cache_hit(
                 hashes, n)[1]
@@ -242,6 +257,12 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         finally:
             self._staged_taken()
         return self.create_kv_cache_blocks(new_blocks)
+
+    def prefill_checkpoint_stop(self, request) -> int:
+        """Where a prompt's prefill chunk also ends: its coarse state checkpoint
+        (``pools.state_checkpoint``), kept by the GDN/mamba managers; 0 for none."""
+        return state_checkpoint(request.num_prompt_tokens, self._checkpoint_tokens,
+                                self.use_eagle)
 
     def _prefill_end(self, request) -> int:
         if self.coordinator.retention_interval != 0:

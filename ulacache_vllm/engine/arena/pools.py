@@ -268,6 +268,51 @@ def _sibling_tails(mask, state, kind: int):
     return widened
 
 
+# GDN/mamba state in vLLM's "align" mode exists only where a prefill chunk ended: vLLM's split
+# ends a prompt's prefill at its last whole block and keeps (retention 0) the state there
+# and at a learnt shared-prefix junction. Stock's blocks are coarse (the CPU build grows them
+# until an attention page holds a state page: 640 tokens on the tiny Qwen3-Next), so a prompt
+# sharing another's first ~N tokens finds that state at ``floor640(len - 1)`` and hits there;
+# the arena's 32-token pages put it at ``floor32(len - 1)``, past where a sibling with another
+# tail diverges (issue 45: 2,176 hit tokens against stock's 15,360). So under the arena each
+# prompt's prefill also stops at stock's coarse boundary, and the state there is kept like
+# the replay boundary's (an ordinary cached page of the prompt's unit; evicting from the end
+# of the prompt keeps it last): every sibling hit stock's blocks allow, the arena's pages allow
+# at the same or a later token, for one more prefill chunk per prompt (stock splits there too).
+def state_checkpoint(num_prompt_tokens: int, tokens: int, drop_eagle_block: bool) -> int:
+    """The coarse state checkpoint of a prompt (vLLM's own rule for its last cacheable
+    block, at ``tokens``-token blocks); 0 for none."""
+    from vllm.v1.kv_cache_interface import get_mamba_prefill_checkpoint_position
+
+    if not tokens:
+        return 0
+    return get_mamba_prefill_checkpoint_position(num_prompt_tokens, tokens, drop_eagle_block)
+
+
+def keep_state_checkpoints(managers, tokens: int, drop_eagle_block: bool) -> int:
+    """Each "align"-mode GDN/mamba manager also keeps a prompt's state at its coarse
+    checkpoint (``state_checkpoint``). Returns ``tokens``, or 0 where no manager runs
+    "align" mode (nothing to checkpoint)."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    found = False
+    for mgr in managers:
+        if tokens and isinstance(mgr, MambaManager) and mgr.mamba_cache_mode == "align":
+            mgr.cache_blocks = _with_checkpoint(mgr.cache_blocks, tokens, drop_eagle_block)
+            found = True
+    return tokens if found else 0
+
+
+def _with_checkpoint(cache_blocks, tokens: int, drop_eagle_block: bool):
+    def cache(request, num_tokens, retention_interval=None, *, replay_boundaries):
+        stop = state_checkpoint(request.num_prompt_tokens, tokens, drop_eagle_block)
+        if stop:  # (a reachable boundary: vLLM's mask keeps the state block ending there)
+            replay_boundaries = (*replay_boundaries, stop)
+        return cache_blocks(request, num_tokens, retention_interval,
+                            replay_boundaries=replay_boundaries)
+    return cache
+
+
 class ArenaBlockPool(BlockPool):
     """A vLLM block pool over arena pages of one kind (``kind`` None: the front pool the
     coordinator and scheduler see; it forwards frees and evictions to each block's own pool

@@ -54,6 +54,9 @@ class ArenaLayout(LineLayout):
     budget_bytes: int
     max_model_len: int
     stock_requests: int | None = None  # max_model_len requests stock HMA fits (estimate)
+    # GDN/mamba hybrids: stock's attention block (``stock_block_size``), where the arena also
+    # checkpoints a prompt's state (``ArenaKVCacheManager.prefill_checkpoint_stop``); 0: none.
+    state_checkpoint_tokens: int = 0
     force_moves_every: int = 0
     # New pages are zeroed before the forward reads them: vLLM's own rule for its pools
     # (``KVCacheConfig.needs_kv_cache_zeroing``: Mamba state, or KV of mixed precisions, whose
@@ -207,6 +210,7 @@ def plan_arena(vllm_config, specs: dict, available_bytes: int,
                          force_moves_every=settings.arena_force_moves,
                          zero_new_pages=needs_zeroing(grouped))
     layout.stock_requests = stock_hma_requests(vllm_config, grouped, available_bytes)
+    layout.state_checkpoint_tokens = state_checkpoint_tokens(grouped)
     need = layout.request_bytes() + layout.null_page_bytes
     if need > total:
         raise KVBackendError(
@@ -216,6 +220,39 @@ def plan_arena(vllm_config, specs: dict, available_bytes: int,
             f"(--kv-cache-memory-bytes / VLLM_CPU_KVCACHE_SPACE) to at least "
             f"{need + max_page} bytes or lower --max-model-len.")
     return layout, grouped
+
+
+# The CPU build's default attention block; for GDN/mamba hybrids its platform grows it to the
+# smallest multiple whose attention page holds a state page (``Platform._align_hybrid_block_
+# size``: 640 tokens on the tiny Qwen3-Next).
+STOCK_CPU_BLOCK = 128
+
+
+def stock_block_size(grouped) -> int:
+    """The attention block stock vLLM's CPU build gives a GDN/mamba hybrid with its default
+    block size: ``128 * cdiv(state page, 128 * attention bytes per token)``; 0 without state
+    layers."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    attn = [s for _, s in grouped if not isinstance(s, MambaSpec)]
+    state = [s for _, s in grouped if isinstance(s, MambaSpec)]
+    if not attn or not state:
+        return 0
+    per_tok = max(s.page_size_bytes // s.block_size for s in attn)
+    mpage = max(s.page_size_bytes for s in state)
+    return STOCK_CPU_BLOCK * -(-mpage // (STOCK_CPU_BLOCK * per_tok))
+
+
+def state_checkpoint_tokens(grouped) -> int:
+    """Where the arena checkpoints a prompt's GDN/mamba state besides its own pages ("align"
+    mode stores a state only where a prefill chunk ends): at stock's block, so a prompt sharing
+    a prefix hits at least where stock's coarse blocks let it (issue 45). 0 where that block
+    is no coarser than the state page, or not a whole number of them."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    page = max((s.block_size for _, s in grouped if isinstance(s, MambaSpec)), default=0)
+    tokens = stock_block_size(grouped)
+    return tokens if page and tokens > page and tokens % page == 0 else 0
 
 
 def stock_hma_requests(vllm_config, grouped, budget: int) -> int | None:
@@ -232,10 +269,7 @@ def stock_hma_requests(vllm_config, grouped, budget: int) -> int | None:
         if not attn:
             return None
         per_tok = max(s.page_size_bytes // s.block_size for _, s in attn)
-        bs = 128
-        if state:
-            mpage = max(s.page_size_bytes for _, s in state)
-            bs = 128 * -(-mpage // (128 * per_tok))
+        bs = stock_block_size(grouped) or STOCK_CPU_BLOCK
         page = bs * per_tok
         layers = [len(n) for n, _ in grouped]
         gsize = min(layers)
