@@ -78,10 +78,56 @@ def test_the_split_cuts_vllms_chunk_only_at_a_stop_inside_it(computed, local, n,
         return n  # vLLM's chunk
 
     sched = SimpleNamespace(kv_cache_manager=SimpleNamespace(
-        prefill_checkpoint_stop=lambda request: stop))
+        prefill_split_block=lambda: 0, prefill_checkpoint_stop=lambda request: stop))
     request = SimpleNamespace(num_computed_tokens=computed)
     assert split(orig, sched, request, 4096, local, 0) == want
     assert calls == [(4096, local, 0)]
+
+
+def _split_scheduler(block: int, split_block: int = 0, budget: int = 4096):
+    from types import SimpleNamespace as NS
+
+    return NS(cache_config=NS(block_size=block), block_size=block, hash_block_size=block,
+              mamba_partial_cache_hit=False, use_eagle_block_drop=False,
+              mamba_has_prefill_checkpoint_blocks=False,
+              mamba_prefill_checkpoint_alignment=None, max_num_scheduled_tokens=budget,
+              scheduler_config=NS(long_prefill_token_threshold=0),
+              mamba_shared_prefix_checkpoint=False,
+              kv_cache_manager=NS(prefill_split_block=lambda: split_block,
+                                  prefill_checkpoint_stop=lambda request: 2560))
+
+
+@pytest.mark.parametrize("prompt,computed,n,junction", [
+    (3049, 0, 3049, 0),  # a prompt's first chunk: stock's coarse checkpoint, not floor32
+    (3049, 2560, 489, 0),  # its last chunk: to the prompt's end (no 32-token replay stop)
+    (3040, 0, 3040, 3000),  # a learnt junction: block-floored at stock's block
+    (3040, 2976, 64, 3000),  # a hit past stock's boundary: to the end
+    (9000, 0, 4096, 0),  # a budget-bound chunk: floored at stock's block
+    (3049, 0, 1000, 0),
+])
+def test_the_split_at_stocks_block_ends_chunks_where_stocks_split_does(prompt, computed, n,
+                                                                       junction):
+    """The arena's GDN models (32-token pages) split a prefill exactly as stock's 640-token
+    blocks do (issue 45): vLLM's own split, run at stock's block."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from ulacache_vllm.patches.mamba_checkpoint_split import split
+
+    vllm_split = Scheduler._mamba_block_aligned_split
+    request = SimpleNamespace(num_computed_tokens=computed, num_prompt_tokens=prompt,
+                              num_tokens=prompt, shared_prefix_boundary=junction)
+    stock = vllm_split(_split_scheduler(640), request, n)
+    arena = _split_scheduler(32, 640)
+    assert split(vllm_split.__get__(arena), arena, request, n) == stock
+    # (vLLM's own split at 32-token blocks ends elsewhere: its fine replay stop)
+    if (prompt, computed, n) == (3049, 0, 3049):
+        assert vllm_split(_split_scheduler(32), request, n) == 3040 != stock == 2560
+    # A budget below stock's block: vLLM's chunk, cut only at the coarse checkpoint.
+    small = _split_scheduler(32, 640, budget=512)
+    assert split(vllm_split.__get__(small), small, request, min(n, 512)) == \
+        min(vllm_split(small, request, min(n, 512)), max(2560 - computed, 0) or 10**9)
 
 
 def test_the_coarse_state_checkpoint_is_stocks_last_cacheable_block():

@@ -102,6 +102,12 @@ class LineManager:
         ends), or 0."""
         return 0
 
+    def prefill_split_block(self) -> int:
+        """A block (tokens) coarser than the engine's at which vLLM's GDN/mamba "align"
+        split runs instead, so prefill chunks and state checkpoints end where they would at
+        that block; 0: the engine's own block."""
+        return 0
+
 
 class LineWorker:
     """Worker-side hooks of a line (one per worker process)."""

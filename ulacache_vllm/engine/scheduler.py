@@ -5,8 +5,9 @@ the product line's layout names (`line.LineLayout.manager_cls`: the logical addr
 `UlaKVCacheManager` for DSA models, the arena's `ArenaKVCacheManager` for hybrid models).
 Everything else (admission order, preemption, connectors) is vLLM's. Three hooks of the line
 run here: which requests a failed copy's lost blocks end (`lost_block_owners`), the close
-of a step once its output is processed (`step_processed`) and one more prefill stop in
-GDN/mamba "align" mode (`prefill_checkpoint_stop`, through `patches/mamba_checkpoint_split`);
+of a step once its output is processed (`step_processed`) and the block GDN/mamba "align"
+mode splits prefills at (`prefill_split_block`, `prefill_checkpoint_stop`, through
+`patches/mamba_checkpoint_split`);
 a finished request skips vLLM's connector hook (ulacache's connector takes nothing from it).
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ class _UlaSchedulerMixin:
     def _mamba_block_aligned_split(self, request, num_new_tokens,
                                    num_new_local_computed_tokens=0,
                                    num_external_computed_tokens=0):
-        # vLLM's chunk, also cut where the line checkpoints a prompt's state.
+        # vLLM's split, at the line's block (or cut where it checkpoints a prompt's state).
         return mamba_checkpoint_split.split(
             super()._mamba_block_aligned_split, self, request, num_new_tokens,
             num_new_local_computed_tokens, num_external_computed_tokens)

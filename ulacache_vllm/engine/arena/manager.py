@@ -51,9 +51,10 @@ Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
   checkpoint page is the state's natural size); ``sizing.prepare`` pins the state block to
   the attention page, so no hit ends inside a block (no copy-on-write), and the worker
   translates align-mode state copies (``patches/mamba_align_translate``). A prompt's prefill
-  also stops, and its state stays cached, at stock's coarser block
-  (``prefill_checkpoint_stop``, ``pools.keep_state_checkpoints``), so a prompt sharing its
-  prefix with another tail hits where stock's blocks let it (issue 45).
+  is split where stock's is, at stock's coarser block (``prefill_split_block``: no stop at
+  the fine 32-token boundaries), and its state stays cached there
+  (``pools.keep_state_checkpoints``), so a prompt sharing its prefix with another tail hits
+  where stock's blocks let it (issue 45).
 """
 from __future__ import annotations
 
@@ -258,9 +259,15 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
             self._staged_taken()
         return self.create_kv_cache_blocks(new_blocks)
 
+    def prefill_split_block(self) -> int:
+        """Stock's block for GDN/mamba hybrids (0: none): vLLM's align split runs at it, so a
+        prompt's prefill chunks end where stock's do, its coarse checkpoint among them."""
+        return self._checkpoint_tokens
+
     def prefill_checkpoint_stop(self, request) -> int:
-        """Where a prompt's prefill chunk also ends: its coarse state checkpoint
-        (``pools.state_checkpoint``), kept by the GDN/mamba managers; 0 for none."""
+        """Where a prompt's prefill chunk also ends when vLLM's split cannot run at stock's
+        block: its coarse state checkpoint (``pools.state_checkpoint``), kept by the
+        GDN/mamba managers; 0 for none."""
         return state_checkpoint(request.num_prompt_tokens, self._checkpoint_tokens,
                                 self.use_eagle)
 

@@ -274,11 +274,11 @@ def _sibling_tails(mask, state, kind: int):
 # until an attention page holds a state page: 640 tokens on the tiny Qwen3-Next), so a prompt
 # sharing another's first ~N tokens finds that state at ``floor640(len - 1)`` and hits there;
 # the arena's 32-token pages put it at ``floor32(len - 1)``, past where a sibling with another
-# tail diverges (issue 45: 2,176 hit tokens against stock's 15,360). So under the arena each
-# prompt's prefill also stops at stock's coarse boundary, and the state there is kept like
+# tail diverges (issue 45: 2,176 hit tokens against stock's 15,360). So under the arena a
+# prompt's prefill is split as stock's is, at stock's coarse block (no fine 32-token stop: the
+# same chunks and state pages as stock's), and the state at its coarse boundary is kept like
 # the replay boundary's (an ordinary cached page of the prompt's unit; evicting from the end
-# of the prompt keeps it last): every sibling hit stock's blocks allow, the arena's pages allow
-# at the same or a later token, for one more prefill chunk per prompt (stock splits there too).
+# of the prompt keeps it last): every sibling hit stock's blocks allow, the arena allows too.
 def state_checkpoint(num_prompt_tokens: int, tokens: int, drop_eagle_block: bool) -> int:
     """The coarse state checkpoint of a prompt (vLLM's own rule for its last cacheable
     block, at ``tokens``-token blocks); 0 for none."""
