@@ -15,6 +15,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, PretrainedConfig
 
+# The hooks are imported as `ulacache_vllm.patches.*`, the modules `apply_all` installs from. A
+# bare `patches.*` import is a second copy of each module (its own globals, which a monkeypatch
+# of one copy leaves unchanged in the other) and needs the repository root on sys.path
+# (`python -m pytest` from it; the `pytest` script fails with ModuleNotFoundError).
 import ulacache_vllm.patches.apply as apply_mod
 from ulacache_vllm.engine.lines import choose_line, record_line
 
@@ -87,10 +91,9 @@ def _selector(use_sparse):
                                    block_size=None, use_mla=True, use_sparse=use_sparse)
 
 
-# (V4 here failed in a fresh-clone full run, not alone; its installed-hook test below stands.)
-@pytest.mark.parametrize("model", [m for m in UNSERVED if m != "deepseek_v4"] + [None])
+@pytest.mark.parametrize("model", [*UNSERVED, None])
 def test_attention_backend_choice_is_vllms_for_an_unserved_model(model, current_model):
-    from patches import cpu_sparse_attention as P
+    from ulacache_vllm.patches import cpu_sparse_attention as P
 
     current_model(UNSERVED[model]() if model else None)
     for sparse in (True, False):
@@ -134,8 +137,8 @@ def indexer_cache(current_model):
 def test_indexer_cache_backend_is_vllms_for_an_unserved_model(model, indexer_cache):
     from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 
-    from patches import cpu_sparse_attention as P
     from ulacache_vllm.engine.dsa.cpu_indexer import CpuIndexerBackend
+    from ulacache_vllm.patches import cpu_sparse_attention as P
 
     cache = indexer_cache(UNSERVED[model]())
     assert P.support_of(cache) is None
@@ -149,7 +152,7 @@ def test_indexer_cache_backend_is_vllms_for_an_unserved_model(model, indexer_cac
 def test_indexer_forward_is_vllms_for_an_unserved_model(model, indexer_cache):
     """DeepSeek-V4's indexer is a `SparseAttnIndexer` too (its key cache is V4's own class, or
     any cache not built for a served model): its `forward_cpu` is vLLM's, arguments as given."""
-    from patches import cpu_sparse_attention as P
+    from ulacache_vllm.patches import cpu_sparse_attention as P
 
     args = (torch.zeros(2, 4), torch.zeros(2, 1, 4), None, torch.zeros(2, 1))
     for k_cache in (torch.nn.Module(), indexer_cache(UNSERVED[model]())):
@@ -160,7 +163,7 @@ def test_indexer_forward_is_vllms_for_an_unserved_model(model, indexer_cache):
 
 
 def test_indexer_forward_of_a_served_model_is_the_lines(indexer_cache, monkeypatch):
-    from patches import cpu_sparse_attention as P
+    from ulacache_vllm.patches import cpu_sparse_attention as P
 
     cache = indexer_cache(v32())
     line_forward = Spy("line")
@@ -171,10 +174,10 @@ def test_indexer_forward_of_a_served_model_is_the_lines(indexer_cache, monkeypat
     assert not orig.calls
 
 
-def _order_dependent_torch_quant_check(monkeypatch):
+def test_the_torch_quant_replaces_vllms_only_where_vllms_cannot_run(monkeypatch):
     """`per_token_group_quant_fp8` as deepseek_v2.py binds it (only V3.2's indexer calls it):
     vLLM's own launches a Triton kernel, which runs only where Triton has a CPU backend."""
-    from patches import cpu_sparse_attention as P
+    from ulacache_vllm.patches import cpu_sparse_attention as P
 
     calls = Spy()
     monkeypatch.setattr(P, "replace", calls)
@@ -190,7 +193,7 @@ def _order_dependent_torch_quant_check(monkeypatch):
 def _platform_result(hf_config, block=256):
     """A config as vLLM's CPU hook left it (block size forced), the user having asked for
     block 64, chunked prefill and prefix caching explicitly."""
-    from patches.cpu_mla_path import REQUESTED_KEY
+    from ulacache_vllm.patches.cpu_mla_path import REQUESTED_KEY
 
     return SimpleNamespace(
         model_config=SimpleNamespace(hf_config=hf_config, use_mla=True),
@@ -205,7 +208,7 @@ def _platform_result(hf_config, block=256):
 def test_cpu_mla_path_keeps_vllms_decisions_for_an_unserved_model(model):
     """V4's forced block size of 256 (its only kernel block size) and the reference MLA path's
     limits on a dense MLA model stay exactly as vLLM's platform hook set them."""
-    from patches.cpu_mla_path import keep_explicit_choices
+    from ulacache_vllm.patches.cpu_mla_path import keep_explicit_choices
 
     cfg = _platform_result(UNSERVED[model]())
     before = dict(max_num_batched_tokens=2048, block_size=64)
@@ -215,7 +218,7 @@ def test_cpu_mla_path_keeps_vllms_decisions_for_an_unserved_model(model):
 
 
 def test_cpu_mla_path_keeps_explicit_choices_for_a_served_model():
-    from patches.cpu_mla_path import keep_explicit_choices
+    from ulacache_vllm.patches.cpu_mla_path import keep_explicit_choices
 
     cfg = _platform_result(v32(), block=16)
     kept = keep_explicit_choices(cfg, dict(max_num_batched_tokens=2048, block_size=64))
@@ -227,7 +230,7 @@ def test_cpu_mla_path_keeps_explicit_choices_for_a_served_model():
     ("vllm", None, False), ("ulacache", v32(), False),
     ("ulacache", PretrainedConfig(architectures=["Qwen3NextForCausalLM"]), True)])
 def test_hybrid_block_size_is_vllms_unless_the_line_keeps_natural_pages(backend, hf, skipped):
-    from patches.hybrid_block_size import update_block_size
+    from ulacache_vllm.patches.hybrid_block_size import update_block_size
 
     orig = Spy()
     cfg = vllm_config(backend, hf)
@@ -236,7 +239,7 @@ def test_hybrid_block_size_is_vllms_unless_the_line_keeps_natural_pages(backend,
 
 
 def test_kv_cache_sizing_is_vllms_for_a_stock_engine():
-    from patches.kv_cache_sizing import get_kv_cache_configs
+    from ulacache_vllm.patches.kv_cache_sizing import get_kv_cache_configs
 
     orig, cfg, specs, mem = Spy(), vllm_config(), [{"l": object()}], [1 << 20]
     assert get_kv_cache_configs(orig, cfg, specs, mem) == "upstream"
@@ -244,8 +247,8 @@ def test_kv_cache_sizing_is_vllms_for_a_stock_engine():
 
 
 def test_mamba_copies_and_block_tables_are_vllms_without_the_ulacache_connector():
-    from patches.block_table_translate import commit
-    from patches.mamba_align_translate import collect
+    from ulacache_vllm.patches.block_table_translate import commit
+    from ulacache_vllm.patches.mamba_align_translate import collect
 
     req = SimpleNamespace(block_ids=[[1, 2], [3]])
     orig = Spy()
@@ -258,7 +261,7 @@ def test_mamba_copies_and_block_tables_are_vllms_without_the_ulacache_connector(
 
 
 def test_block_hasher_is_vllms_for_a_stock_engine():
-    from patches.block_hasher import after_init
+    from ulacache_vllm.patches.block_hasher import after_init
 
     core = SimpleNamespace(request_block_hasher="vllm's")
     after_init(core, vllm_config())
