@@ -15,9 +15,10 @@ from .arena.line import LINE as ARENA
 from .config import KVBackendError, kv_backend_of
 from .dsa.line import LINE as DSA
 from .line import CpuSparseAttention, Line
+from .v4.line import LINE as V4
 
 # In order: the first line that serves a model gets it.
-LINES: tuple[Line, ...] = (DSA, ARENA)
+LINES: tuple[Line, ...] = (V4, DSA, ARENA)
 LINE_KEY = "ulacache_line"  # additional_config: the chosen line's name
 
 

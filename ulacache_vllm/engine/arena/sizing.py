@@ -167,19 +167,25 @@ def needs_zeroing(grouped: list[tuple[list[str], object]]) -> bool:
                          kv_cache_groups=groups).needs_kv_cache_zeroing
 
 
-def _alignment(page_sizes: list[int], total: int) -> int:
+def _alignment(page_sizes: list[int], total: int, min_block_stride: int = 0) -> int:
+    """The granule: a power of two up to the pages' gcd (at least ``MIN_ALIGNMENT``), raised
+    to a multiple of it no smaller than ``min_block_stride`` (a kernel that reads a layer's
+    pages at the view's block stride and refuses pages that overlap in the view)."""
     a = 0
     for p in page_sizes:
         a = math.gcd(a, p)
     a = max(MIN_ALIGNMENT, 1 << (a.bit_length() - 1) if a else MIN_ALIGNMENT)
+    a = _round_up(max(a, min_block_stride), a)
     while total // a > MAX_GRANULES:
         a *= 2
     return a
 
 
-def plan_arena(vllm_config, specs: dict, available_bytes: int,
-               settings: UlaSettings) -> tuple[ArenaLayout, list]:
-    """(layout, [(layer names, spec)] per group) for one worker's specs and KV budget."""
+def plan_arena(vllm_config, specs: dict, available_bytes: int, settings: UlaSettings,
+               strided_layers=lambda name: False) -> tuple[ArenaLayout, list]:
+    """(layout, [(layer names, spec)] per group) for one worker's specs and KV budget.
+    ``strided_layers(name)``: the layer's kernel refuses a view whose block stride is smaller
+    than its page (the granule then grows to that page)."""
     max_model_len = vllm_config.model_config.max_model_len
     grouped = group_specs(specs)
     counts: dict[str, int] = {}
@@ -203,7 +209,9 @@ def plan_arena(vllm_config, specs: dict, available_bytes: int,
         out.append(ArenaGroup(kind, band, tuple(names), spec.page_size_bytes, spec.block_size,
                               int(per_req)))
     pages = [g.layer_page_bytes for g in out] + [g.page_bytes for g in out]
-    align = _alignment(pages, max(available_bytes, 1))
+    strict = max((g.layer_page_bytes for g in out
+                  if any(strided_layers(n) for n in g.layer_names)), default=0)
+    align = _alignment(pages, max(available_bytes, 1), strict)
     max_page = _round_up(max(g.page_bytes for g in out), align)
     total = max(0, (available_bytes - max_page) // align * align)
     layout = ArenaLayout(out, align, total, total + max_page, available_bytes, max_model_len,
@@ -293,13 +301,14 @@ def stock_hma_requests(vllm_config, grouped, budget: int) -> int | None:
 
 
 def get_kv_cache_configs(orig, vllm_config, kv_cache_specs: list[dict],
-                         available_memory: list[int], settings: UlaSettings):
+                         available_memory: list[int], settings: UlaSettings,
+                         strided_layers=lambda name: False):
     """The arena's KVCacheConfigs: one group per kind, one strided tensor per group over one
     buffer, ``num_blocks`` = granules (vLLM's own sizing, ``orig``, is not used)."""
     from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheTensor
 
     with reported_to_front_end():
-        plans = [plan_arena(vllm_config, s, a, settings)
+        plans = [plan_arena(vllm_config, s, a, settings, strided_layers)
                  for s, a in zip(kv_cache_specs, available_memory)]
     layout, _ = min(plans, key=lambda p: p[0].total_bytes)
     configs = []

@@ -5,8 +5,8 @@ need on vLLM's CPU build under any `--kv-backend`.
 V3.2-style means a model vLLM runs on its V3.2 DSA code: MLA plus the lightning indexer of
 `model_executor/models/deepseek_v2.py` (one top-k of single tokens per indexer layer). The
 DeepSeek-V4 family (`vllm/models/deepseek_v4`, `deepseek_v41`: compressed rows, sliding
-windows, compressor states) also has `index_topk`, but is not served: `--kv-backend ulacache`
-refuses it by name, and its layers keep vLLM's own code under any backend.
+windows, compressor states) also has `index_topk`, but is not this line's: V4 has a line of its
+own (`engine/v4`), and its layers keep vLLM's own code under any backend.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ DSA_ARCHITECTURES = ("DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
 # (DeepseekV2/V3ForCausalLM and their MTP layers included) is V3.2-style.
 V32_MODULES = ("vllm.model_executor.models.deepseek_v2", "vllm.models.deepseek_v32",
                "vllm.model_executor.models.deepseek_mtp")
-# DeepSeek-V4's family: refused under ulacache and handed to vLLM under any backend.
+# DeepSeek-V4's family: not this line's, and handed to vLLM's own code under any backend.
 V4_MODULES = ("vllm.models.deepseek_v4", "vllm.models.deepseek_v41")
 V4_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 CPU_BACKEND_PATH = "ulacache_vllm.engine.dsa.cpu_sparse_mla.CpuSparseMLABackend"
@@ -68,17 +68,6 @@ class DsaLine(Line):
             return False  # (a config without the field: not an indexer model)
         return (not is_deepseek_v4(hf_config)
                 and any(vllm_module_of(a) in V32_MODULES for a in archs))
-
-    def refusal(self, hf_config: Any) -> str | None:
-        if not is_deepseek_v4(hf_config):
-            return None
-        what = ", ".join(hf_config.architectures or ()) or hf_config.model_type
-        return (f"--kv-backend ulacache does not serve DeepSeek-V4 ({what}) yet: its "
-                f"compressed sparse attention (compressed rows picked by the indexer, heavily "
-                f"compressed rows, a sliding window on every layer and compressor states) "
-                f"needs a line of its own, which is not built yet; ulacache serves the "
-                f"DeepSeek-V3.2 generation of DSA ({', '.join(DSA_ARCHITECTURES)}). Use "
-                f"--kv-backend vllm (vLLM's own KV cache) for DeepSeek-V4 until then.")
 
     def prepare_engine_args(self, engine_args: Any) -> None:
         from . import sizing

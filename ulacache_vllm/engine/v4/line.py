@@ -1,0 +1,49 @@
+"""The DeepSeek-V4 line as a `Line`: V4 (`DeepseekV4ForCausalLM`, model type `deepseek_v4`)
+on vLLM's CPU build, its caches in the arena (`sizing.py`). V4.1 (layer-shared KV and top-k,
+ring-buffer states) is refused by name."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..arena.metrics import METRICS
+from ..config import UlaSettings
+from ..dsa.line import is_deepseek_v4
+from ..line import Line, UlaKVCacheConfig
+
+MODEL_TYPE = "deepseek_v4"
+
+
+class V4Line(Line):
+    name = "v4"
+    serves_text = ("DeepSeek-V4 (DeepseekV4ForCausalLM) with every cache at its natural page "
+                   "size in its arena")
+    metrics = METRICS
+    aligns_hybrid_block_size = False
+
+    def serves(self, hf_config: Any) -> bool:
+        return hf_config.model_type == MODEL_TYPE
+
+    def refusal(self, hf_config: Any) -> str | None:
+        if hf_config.model_type == MODEL_TYPE or not is_deepseek_v4(hf_config):
+            return None
+        what = ", ".join(hf_config.architectures or ()) or hf_config.model_type
+        return (f"--kv-backend ulacache does not serve {what} (model type "
+                f"{hf_config.model_type!r}) yet: it serves DeepSeek-V4 ({MODEL_TYPE}); V4.1's "
+                f"layer-shared KV and top-k and its ring-buffer compressor states are not "
+                f"placed by ulacache. Use --kv-backend vllm for this model.")
+
+    def prepare(self, vllm_config: Any, settings: UlaSettings) -> None:
+        from . import sizing
+
+        sizing.prepare(vllm_config, settings)
+
+    def get_kv_cache_configs(self, orig: Callable, vllm_config: Any, kv_cache_specs: list[dict],
+                             available_memory: list[int],
+                             settings: UlaSettings) -> list[UlaKVCacheConfig]:
+        from . import sizing
+
+        return sizing.get_kv_cache_configs(orig, vllm_config, kv_cache_specs, available_memory,
+                                           settings)
+
+
+LINE = V4Line()
