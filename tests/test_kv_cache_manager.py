@@ -166,3 +166,61 @@ def test_lost_cached_blocks_leave_the_prefix_cache(manager):
     b = _request("b", list(range(1, 2 * BS + 1)) + [5])
     _, n_hit, _ = manager.get_computed_blocks(b)
     assert n_hit == 0  # the chain's first block is gone: no hit
+
+
+def test_the_pool_is_the_dsa_subclass_shared_by_every_group_over_every_block():
+    """The DSA pool is a `BlockPool` subclass swapped in after vLLM builds its coordinator (as
+    the arena swaps in its pool): one pool over the whole config, the one every group, the
+    coordinator and the manager use, with vLLM's figures from the whole block count."""
+    from ulacache_vllm.engine.dsa.manager import DsaBlockPool
+
+    init_none_hash(sha256)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    cfg = KVCacheConfig(num_blocks=40, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec),
+                                         KVCacheGroupSpec(["layer.1"], spec)])
+    cfg = UlaKVCacheConfig.of(cfg, SimpleNamespace(device_blocks=8))
+    mgr = UlaKVCacheManager(cfg, max_model_len=512, scheduler_block_size=BS,
+                            hash_block_size=BS, enable_caching=True, watermark=0.1)
+    pool = mgr.block_pool
+    assert type(pool) is DsaBlockPool and pool.device_blocks == 8
+    assert mgr.coordinator.block_pool is pool and len(pool.blocks) == 40
+    assert all(m.block_pool is pool and m._null_block is pool.null_block
+               for m in mgr.coordinator.single_type_managers)
+    assert mgr.kv_cache_config is cfg and mgr.coordinator.kv_cache_config is cfg
+    assert mgr.watermark_blocks == 4 and pool.get_num_free_blocks() == 39
+    assert "free_blocks" not in vars(pool)  # no per-instance replacement left
+
+
+def test_the_installed_block_pool_is_the_one_overridden():
+    from ulacache_vllm.engine.dsa import manager as m
+
+    m.check_upstream_block_pool()
+
+
+def test_a_changed_block_pool_or_version_fails_loudly(monkeypatch):
+    from vllm.v1.core.block_pool import BlockPool
+
+    from ulacache_vllm.engine.dsa import manager as m
+    from ulacache_vllm.patches._hook import VllmHookError
+
+    def free_blocks(self, blocks, extra):  # other parameters
+        return None
+
+    monkeypatch.setattr(BlockPool, "free_blocks", free_blocks)
+    with pytest.raises(VllmHookError, match="DsaBlockPool.free_blocks"):
+        m.check_upstream_block_pool()
+    monkeypatch.undo()
+
+    def evict_blocks(self, block_ids):  # no longer through _maybe_evict_cached_block
+        return None
+
+    monkeypatch.setattr(BlockPool, "evict_blocks", evict_blocks)
+    with pytest.raises(VllmHookError, match="evict_blocks"):
+        m.check_upstream_block_pool()
+    monkeypatch.undo()
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(VllmHookError, match="0.33.0"):
+        m.check_upstream_block_pool()

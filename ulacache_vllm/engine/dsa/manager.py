@@ -9,11 +9,13 @@ block that stays in vLLM's prefix cache is not dead: its rows stay until the blo
 evicted or reused), and keeps the whole public surface vLLM's scheduler, engine core and
 connectors use (it *is* a `KVCacheManager`).
 
-Every free path passes through one place, `_returned`: the manager's own block pool hands
-every block it takes back to it, whether the manager freed them (`free`) or vLLM's scheduler
-returns a deferred free straight to the pool once the step that may still write them is done
-(async scheduling, pipeline parallelism: `pop_blocks_for_free` now, `free_blocks` later). A
-block is reported dead only when it is back in the pool.
+The pool is `DsaBlockPool`, vLLM's `BlockPool` with two methods overridden, swapped in for the
+coordinator's own after vLLM builds it (as the arena swaps in its `ArenaBlockPool`). Every
+free path passes through one place, its `free_blocks`: the pool records every block taken
+back, whether the manager freed them (`free`) or vLLM's scheduler returns a deferred free
+straight to the pool once the step that may still write them is done (async scheduling,
+pipeline parallelism: `pop_blocks_for_free` now, `free_blocks` later). A block is reported
+dead only when it is back in the pool.
 
 Prefix caching is vLLM's own over the logical pool: a free block that keeps its hash stays
 live on the worker (its rows in either tier, read where they are by a later hit's attention,
@@ -24,11 +26,45 @@ rows a failed copy lost leaves the cache too (`lost_block_owners`), so it is nev
 """
 from __future__ import annotations
 
+import copy
+import inspect
 from dataclasses import dataclass, field
 
+from vllm.v1.core.block_pool import BlockPool
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 from ..line import LineManager, layout_of
+
+# The `BlockPool` methods `DsaBlockPool` overrides (each calls vLLM's own first), with the
+# parameters they were written against; and the methods that must reach a cached block's
+# eviction through the overridden `_maybe_evict_cached_block` (reuse, explicit eviction).
+UPSTREAM_BLOCK_POOL = ("0.32.0", {"free_blocks": ("self", "ordered_blocks"),
+                                  "_maybe_evict_cached_block": ("self", "block")})
+EVICTION_CALLERS = ("get_new_blocks", "evict_blocks")
+
+
+def check_upstream_block_pool() -> None:
+    """Fails loudly when vLLM's `BlockPool` is not the one `DsaBlockPool` overrides."""
+    from ulacache_vllm.patches._hook import VllmHookError, check_vllm_version, resolve
+
+    hook = "DSA line's block pool (DsaBlockPool over BlockPool)"
+    check_vllm_version(hook)
+    module = "vllm.v1.core.block_pool"
+    for name, params in UPSTREAM_BLOCK_POOL[1].items():
+        _, fn = resolve(module, f"BlockPool.{name}", hook)
+        got = tuple(inspect.signature(fn).parameters)
+        if got != params:
+            raise VllmHookError(f"ulacache {hook}: vLLM's BlockPool.{name} takes {got}, "
+                                f"written for {params} (vLLM {UPSTREAM_BLOCK_POOL[0]}); "
+                                f"port DsaBlockPool.{name}")
+    for name in EVICTION_CALLERS:
+        _, fn = resolve(module, f"BlockPool.{name}", hook)
+        if "self._maybe_evict_cached_block(" not in inspect.getsource(fn):
+            raise VllmHookError(f"ulacache {hook}: vLLM's BlockPool.{name} no longer evicts "
+                                f"through _maybe_evict_cached_block; port DsaBlockPool")
+
+
+check_upstream_block_pool()  # at import, like the arena's check of what it copies
 
 
 @dataclass
@@ -39,58 +75,84 @@ class DsaStep:
     hits: list[int] = field(default_factory=list)  # cached blocks new requests took over
 
 
-class UlaKVCacheManager(LineManager, KVCacheManager):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._freed: list[int] = []
-        self._hits: list[int] = []
-        # Blocks whose identity placement (logical slot == device slot) lands in the device
-        # pool: while only these are live, the worker needs no translation at all.
-        self._device_blocks = layout_of(self.kv_cache_config).device_blocks
-        pool_free = self.block_pool.free_blocks
+class DsaBlockPool(BlockPool):
+    """vLLM's block pool over the logical address space that records the blocks that die
+    (``dead``, taken by the manager each step): blocks back in the pool with no hash, and
+    free cached blocks leaving the prefix cache (module doc). ``device_blocks``: the blocks
+    whose identity placement (logical slot == device slot) lands in the device pool."""
 
-        def free_blocks(ordered_blocks) -> None:  # this pool's only way back: see module doc
-            blocks = list(ordered_blocks)
-            pool_free(blocks)
-            self._returned(blocks)
+    def __init__(self, num_gpu_blocks: int, device_blocks: int, enable_caching: bool,
+                 hash_block_size: int, enable_kv_cache_events: bool = False,
+                 metrics_collector=None) -> None:
+        super().__init__(num_gpu_blocks, enable_caching=enable_caching,
+                         hash_block_size=hash_block_size,
+                         enable_kv_cache_events=enable_kv_cache_events,
+                         metrics_collector=metrics_collector)
+        self.device_blocks = device_blocks
+        self.dead: list[int] = []
 
-        self.block_pool.free_blocks = free_blocks
-        pool_evict = self.block_pool._maybe_evict_cached_block
+    def free_blocks(self, ordered_blocks) -> None:  # this pool's only way back: module doc
+        blocks = list(ordered_blocks)
+        super().free_blocks(blocks)
+        self._returned(blocks)
 
-        def evict_cached(block) -> bool:  # a free block leaving the prefix cache: module doc
-            evicted = pool_evict(block)
-            if evicted and block.ref_cnt == 0:  # (a running request's block stays live)
-                self._freed.append(block.block_id)
-            return evicted
-
-        self.block_pool._maybe_evict_cached_block = evict_cached
+    def _maybe_evict_cached_block(self, block) -> bool:  # leaving the prefix cache: module doc
+        evicted = super()._maybe_evict_cached_block(block)
+        if evicted and block.ref_cnt == 0:  # (a running request's block stays live)
+            self.dead.append(block.block_id)
+        return evicted
 
     def _returned(self, blocks) -> None:
-        pool = self.block_pool
-        queue = pool.free_block_queue
+        queue = self.free_block_queue
         for blk in blocks:
             bid = blk.block_id
             if blk.ref_cnt == 0 and not blk.is_null:
                 if blk.block_hash is None:
-                    self._freed.append(bid)
+                    self.dead.append(bid)
                 # else: a prefix-cache entry; its rows stay where they are (PB-LRU ages them
                 # out to the host) until the block leaves the cache (module doc).
-                if bid >= self._device_blocks and not self.enable_caching:
+                if bid >= self.device_blocks and not self.enable_caching:
                     # vLLM reuses freed blocks first (LIFO); send blocks beyond the device
                     # range to the back so low blocks are handed out first again. (With a
                     # prefix cache the queue's order is its eviction order: left alone.)
                     queue.remove(blk)
                     queue.append(blk)
 
-    def _cached_free_blocks(self) -> list[int]:
-        return [b.block_id for b in self.block_pool.blocks
+    def cached_free_blocks(self) -> list[int]:
+        return [b.block_id for b in self.blocks
                 if b.ref_cnt == 0 and not b.is_null and b.block_hash is not None]
 
+
+class UlaKVCacheManager(LineManager, KVCacheManager):
+    def __init__(self, kv_cache_config, *args, **kwargs):
+        # vLLM's coordinator builds one block object per block: give it a one-block config
+        # (only its null block), then swap its pool for the DSA pool over every block.
+        small = copy.copy(kv_cache_config)
+        small.num_blocks = 1
+        super().__init__(small, *args, **kwargs)
+        # What vLLM derived from the block count, from the whole config again.
+        self.kv_cache_config = self.coordinator.kv_cache_config = kv_cache_config
+        watermark = inspect.signature(KVCacheManager.__init__).bind(
+            self, kv_cache_config, *args, **kwargs).arguments.get("watermark", 0.0)
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        stock = self.coordinator.block_pool
+        pool = DsaBlockPool(kv_cache_config.num_blocks,
+                            layout_of(kv_cache_config).device_blocks, stock.enable_caching,
+                            stock.hash_block_size, stock.enable_kv_cache_events,
+                            stock.metrics_collector)
+        for mgr in self.coordinator.single_type_managers:
+            if mgr.block_pool is stock:
+                mgr.block_pool = pool
+                mgr._null_block = pool.null_block
+        self.coordinator.block_pool = pool
+        self.block_pool = pool
+        self._hits: list[int] = []
+
     def reset_prefix_cache(self) -> bool:
-        cached = self._cached_free_blocks()
+        cached = self.block_pool.cached_free_blocks()
         ok = super().reset_prefix_cache()
         if ok:
-            self._freed.extend(cached)
+            self.block_pool.dead.extend(cached)
         return ok
 
     def lost_block_owners(self, block_ids, running, vllm_default):
@@ -104,10 +166,11 @@ class UlaKVCacheManager(LineManager, KVCacheManager):
         return vllm_default()
 
     def has_pending_frees(self) -> bool:
-        return bool(self._freed)
+        return bool(self.block_pool.dead)
 
     def take_freed_blocks(self) -> list[int]:
-        out, self._freed = self._freed, []
+        pool = self.block_pool
+        out, pool.dead = pool.dead, []
         return out
 
     def take_step(self) -> DsaStep:
