@@ -582,8 +582,8 @@ def _vllm_config(ulacache: bool):
 
 
 def test_patch_is_a_no_op_without_cuda_and_opt_in(monkeypatch):
-    from patches import cuda_sparse_backend as P
-    from patches._hook import is_patched
+    from ulacache_vllm.patches import cuda_sparse_backend as P
+    from ulacache_vllm.patches._hook import is_patched
 
     monkeypatch.setenv(ucuda.OPT_IN_ENV, "1")
     assert P.install() is False  # the CPU platform
@@ -594,8 +594,8 @@ def test_patch_is_a_no_op_without_cuda_and_opt_in(monkeypatch):
 def test_backend_hook_fails_loudly_where_its_module_is_missing():
     """On the CPU build vllm.platforms.cuda cannot import (no compiled ops): the hook says so
     instead of silently leaving stock's backend choice."""
-    from patches import cuda_sparse_backend as P
-    from patches._hook import VllmHookError
+    from ulacache_vllm.patches import cuda_sparse_backend as P
+    from ulacache_vllm.patches._hook import VllmHookError
 
     with pytest.raises(VllmHookError, match="vllm.platforms.cuda"):
         P.install_backend_choice()
@@ -604,8 +604,8 @@ def test_backend_hook_fails_loudly_where_its_module_is_missing():
 def test_patch_hooks_backend_choice_and_slot_mappings(monkeypatch):
     import importlib
 
-    from patches import cuda_sparse_backend as P
-    from patches._hook import is_patched, resolve
+    from ulacache_vllm.patches import cuda_sparse_backend as P
+    from ulacache_vllm.patches._hook import is_patched, resolve
 
     saved = [(m, resolve(m, "build_slot_mappings_by_layer", P.HOOK))
              for m in P.SLOT_MAPPING_MODULES]
