@@ -14,8 +14,9 @@
   transformers' DeepSeek-V4 on the same weights (``_v4_reference``: tolerances there). Then, in
   the same process once that engine is freed, lm-eval's ``vllm`` model serves the same model:
   generate_until and loglikelihood agree with LLM's greedy tokens and logprobs.
-- `vllm serve` (the project's serve script, stock backend) gives LLM's greedy tokens, and
-  `--kv-backend ulacache` is refused by name for V4.
+- `vllm serve` (the project's serve script) gives LLM's greedy tokens with the stock backend
+  and with `--kv-backend ulacache` (the V4 line; its parity under pressure is
+  ``test_v4_line.py``).
 - Beside it, the same generations with ulacache's plugin not loaded (``VLLM_PLUGINS``) and only
   V4's three fixes applied by hand: tokens and logprobs identical, bit for bit.
 """
@@ -565,10 +566,11 @@ def test_lm_eval_vllm_model_serves_stock_v4(v4_run, v4_prompts, tiny_model):
 
 
 @pytest.mark.engine
-def test_vllm_serve_serves_stock_v4(v4_run, v4_prompts, tiny_model, tmp_path):
-    """`vllm serve` (the project's serve script, stock backend, ulacache installed) serves the
-    tiny V4: greedy completions of the short prompts and the 2400-token one are LLM's tokens,
-    and `--kv-backend ulacache` is refused by name before any engine starts."""
+def test_vllm_serve_serves_v4_with_either_backend(v4_run, v4_prompts, tiny_model, tmp_path):
+    """`vllm serve` (the project's serve script, ulacache installed) serves the tiny V4 with the
+    stock backend and with `--kv-backend ulacache` (the V4 line, issue 44), two servers side by
+    side: greedy completions of the short prompts and the 2400-token one are LLM's tokens on
+    both, and the ulacache server exports its `vllm:ulacache_*` series."""
     import subprocess
 
     import requests
@@ -584,29 +586,32 @@ def test_vllm_serve_serves_stock_v4(v4_run, v4_prompts, tiny_model, tmp_path):
     env = vllm_env(dict(VENV=str(venv), KV_CACHE_BYTES=str(256 << 20),
                         MAX_MODEL_LEN=str(MAX_MODEL_LEN)))
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    port, log = _free_port(), tmp_path / "serve.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(["bash", str(repo / "scripts" / "serve.sh"), model, "vllm",
-                                 "127.0.0.1", str(port), *args], stdout=fh,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                cwd=repo)
-    base = f"http://127.0.0.1:{port}"
+    servers = {}
+    for backend in ("vllm", "ulacache"):
+        port, log = _free_port(), tmp_path / f"serve_{backend}.log"
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(["bash", str(repo / "scripts" / "serve.sh"), model, backend,
+                                     "127.0.0.1", str(port), *args], stdout=fh,
+                                    stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    cwd=repo)
+        servers[backend] = (proc, f"http://127.0.0.1:{port}", log)
+    got, series = {}, []
     try:
-        # While the stock server boots: the ulacache backend is refused for V4.
-        refused = subprocess.run(["bash", str(repo / "scripts" / "serve.sh"), model, "ulacache",
-                                  "127.0.0.1", str(_free_port()), *args], env=env, cwd=repo,
-                                 capture_output=True, text=True, timeout=600)
-        assert refused.returncode != 0
-        assert "DeepSeek-V4" in refused.stdout + refused.stderr and "--kv-backend vllm" in \
-            refused.stdout + refused.stderr, (refused.stdout + refused.stderr)[-3000:]
-        _wait_healthy(proc, base, log, time.time() + 600)
-        got = []
-        for p in [*short, long]:
-            r = requests.post(base + "/v1/completions", timeout=300, json=dict(
-                model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0.0,
-                ignore_eos=True, return_token_ids=True))
-            assert r.status_code == 200, r.text
-            got.append(r.json()["choices"][0]["token_ids"])
+        for backend, (proc, base, log) in servers.items():
+            _wait_healthy(proc, base, log, time.time() + 600)
+            got[backend] = []
+            for p in [*short, long]:
+                r = requests.post(base + "/v1/completions", timeout=300, json=dict(
+                    model=model, prompt=p, max_tokens=MAX_TOKENS, temperature=0.0,
+                    ignore_eos=True, return_token_ids=True))
+                assert r.status_code == 200, r.text
+                got[backend].append(r.json()["choices"][0]["token_ids"])
+        text = requests.get(servers["ulacache"][1] + "/metrics", timeout=60).text
+        series = sorted({ln.split("{")[0].split(" ")[0] for ln in text.splitlines()
+                         if ln.startswith("vllm:ulacache_")})
     finally:
-        _stop(proc)
-    assert got == [*v4_run["short"]["tokens"], v4_run["long"]["tokens"][0]]
+        for proc, _, _ in servers.values():
+            _stop(proc)
+    want = [*v4_run["short"]["tokens"], v4_run["long"]["tokens"][0]]
+    assert got["vllm"] == want and got["ulacache"] == want
+    assert "vllm:ulacache_arena_used_bytes" in series and len(series) >= 10, series

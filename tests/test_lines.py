@@ -1,6 +1,7 @@
 """The product line is one object, chosen once from the model config by `lines.choose_line`,
-recorded in `additional_config` and read back from there (issue 42, item 2); DeepSeek-V4 is
-refused under `--kv-backend ulacache` with what to use instead (issue 43, item 6)."""
+recorded in `additional_config` and read back from there (issue 42, item 2); DeepSeek-V4 gets
+its own line (issue 44), and the rest of its family is refused under `--kv-backend ulacache`
+with what to use instead (issue 43, item 6)."""
 from __future__ import annotations
 
 import ast
@@ -74,17 +75,23 @@ def test_the_v4_family_is_found_in_vllms_registry():
 
 
 @pytest.mark.parametrize("arch", _v4_family_architectures())
-def test_deepseek_v4_is_refused_naming_v4_and_the_fix(arch):
-    """Issue 43.6: `--kv-backend ulacache` with any DeepSeek-V4-family model says what it is
-    and what to use (not the DSA line's misleading "other KV layers")."""
+def test_deepseek_v4_gets_its_line_and_the_rest_of_its_family_is_refused(arch):
+    """Issue 44: DeepseekV4ForCausalLM is the V4 line's; every other architecture of the
+    family (V4.1, the drafts) is refused naming itself, the family and the fix (not the DSA
+    line's misleading "other KV layers"), and no line serves it (the patches leave it to vLLM)."""
+    if arch == "DeepseekV4ForCausalLM":
+        line = lines.choose_line(_mc(_v4_config(arch)))
+        assert line.name == "v4" and lines.line_serving(_v4_config(arch)) is line
+        assert line.cpu_sparse_attention() is None  # V4's layers keep vLLM's own CPU code
+        return
     with pytest.raises(KVBackendError) as e:
         lines.choose_line(_mc(_v4_config(arch)))
     msg = str(e.value)
     assert "DeepSeek-V4" in msg and arch in msg and "--kv-backend vllm" in msg
-    assert lines.line_serving(_v4_config(arch)) is None  # and no line serves it (patches)
+    assert lines.line_serving(_v4_config(arch)) is None
 
 
-def test_deepseek_v4_is_refused_by_model_type_alone():
+def test_deepseek_v4_family_is_refused_by_model_type_alone():
     hf = _v4_config()
     hf.architectures = ["SomeFutureV4Name"]
     with pytest.raises(KVBackendError, match="DeepSeek-V4"):
@@ -92,9 +99,10 @@ def test_deepseek_v4_is_refused_by_model_type_alone():
 
 
 @pytest.mark.timeout(300)
-def test_engine_args_with_deepseek_v4_and_ulacache_fail_before_the_config_is_built(tmp_path):
-    """The refusal through the real front end (`EngineArgs.create_engine_config`, as `vllm
-    serve` and `LLM(...)` build it), before any engine process starts."""
+def test_engine_args_with_deepseek_v4_and_ulacache_record_the_v4_line(tmp_path):
+    """Through the real front end (`EngineArgs.create_engine_config`, as `vllm serve` and
+    `LLM(...)` build it): V4 under ulacache records the v4 line, before any engine starts;
+    V4.1 is refused there."""
     import ulacache_vllm.patches.apply as patches
     from vllm.engine.arg_utils import EngineArgs
 
@@ -107,6 +115,14 @@ def test_engine_args_with_deepseek_v4_and_ulacache_fail_before_the_config_is_bui
            "index_head_dim": 128, "rope_parameters": {"rope_type": "default"},
            "rope_theta": 10000.0, "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    ea = EngineArgs(model=str(tmp_path), kv_backend="ulacache", skip_tokenizer_init=True,
+                    enforce_eager=True, dtype="bfloat16")
+    vc = ea.create_engine_config()
+    assert vc.additional_config[lines.LINE_KEY] == "v4"
+    assert vc.scheduler_config.async_scheduling is False
+    assert vc.cache_config.block_size == 256  # V4's own CPU block, kept
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**cfg, "architectures": ["DeepSeekV4MTPModel"]}))
     ea = EngineArgs(model=str(tmp_path), kv_backend="ulacache", skip_tokenizer_init=True,
                     enforce_eager=True, dtype="bfloat16")
     with pytest.raises(KVBackendError) as e:

@@ -185,7 +185,7 @@ def flag_of(name: str) -> str:
 
 BACKEND_HELP = ("`vllm`: stock block manager (default). `ulacache`: logical address space over "
                 "device + host for DSA models; one arena at natural page sizes for hybrid "
-                "models (Qwen3-Next, GPT-OSS, Gemma 3).")
+                "models (Qwen3-Next, GPT-OSS, Gemma 3) and DeepSeek-V4.")
 # Environment knobs beside the settings (read where they act; listed in the same table).
 ENV_KNOBS = {
     "ULACACHE_PBLRU_SMALL_POOL_SLOTS": "PB-LRU pools up to this many slots (default 4096) "

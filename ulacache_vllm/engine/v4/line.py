@@ -10,7 +10,7 @@ from ..config import UlaSettings
 from ..dsa.line import is_deepseek_v4
 from ..line import Line, UlaKVCacheConfig
 
-MODEL_TYPE = "deepseek_v4"
+ARCHITECTURE = "DeepseekV4ForCausalLM"  # verified on vLLM's CPU build (the tiny V4)
 
 
 class V4Line(Line):
@@ -18,19 +18,20 @@ class V4Line(Line):
     serves_text = ("DeepSeek-V4 (DeepseekV4ForCausalLM) with every cache at its natural page "
                    "size in its arena")
     metrics = METRICS
-    aligns_hybrid_block_size = False
 
     def serves(self, hf_config: Any) -> bool:
-        return hf_config.model_type == MODEL_TYPE
+        return ARCHITECTURE in (hf_config.architectures or ())
 
     def refusal(self, hf_config: Any) -> str | None:
-        if hf_config.model_type == MODEL_TYPE or not is_deepseek_v4(hf_config):
+        if self.serves(hf_config) or not is_deepseek_v4(hf_config):
             return None
         what = ", ".join(hf_config.architectures or ()) or hf_config.model_type
-        return (f"--kv-backend ulacache does not serve {what} (model type "
-                f"{hf_config.model_type!r}) yet: it serves DeepSeek-V4 ({MODEL_TYPE}); V4.1's "
-                f"layer-shared KV and top-k and its ring-buffer compressor states are not "
-                f"placed by ulacache. Use --kv-backend vllm for this model.")
+        return (f"--kv-backend ulacache does not serve this DeepSeek-V4-family model ({what}, "
+                f"model type {hf_config.model_type!r}) yet: it serves DeepSeek-V4 as "
+                f"{ARCHITECTURE}. V4.1 (layer-shared KV and top-k, ring-buffer compressor "
+                f"states), V4's drafts (MTP, DSpark: no CPU implementation in vLLM) and other "
+                f"V4 entry points are not placed by ulacache. Use --kv-backend vllm for this "
+                f"model.")
 
     def prepare(self, vllm_config: Any, settings: UlaSettings) -> None:
         from . import sizing

@@ -1,0 +1,210 @@
+"""`--kv-backend ulacache` for DeepSeek-V4 (issue 44): the V4 line against stock V4.
+
+One ulacache engine (every V4 cache an arena kind at its natural page size, forced
+compactions/relayouts every other step) and one stock engine run the same token-id prompts,
+side by side: distinct prompts over 2048 tokens (the real indexer: top 512 of the compressed
+rows) beside short ones, identical resends and next-turn prompts (prefix hits where vLLM's
+platform has prefix caching on, as on AMX hosts, or asked), a batch of long prompts and
+outputs, the same prompts one at a time through an arena that holds ~1.4 of them (cached
+pages evicted, pages reused at once), aborts mid-decode, `reset_prefix_cache()`.
+
+Stock V4 on the CPU build is not schedule-invariant: a long request's greedy tokens depend on
+which other requests share its steps (measured: stock with `max_num_seqs=1` and with 4 differ
+on 3 of 7 long prompts; ulacache equals stock whenever the schedules are equal, and a tighter
+arena, which admits fewer prefills at once, gives the tokens stock gives under that schedule).
+So parity is asserted where both sides schedule alike: the batched phases at a budget that
+admits what stock admits, the pressure on memory one request at a time. Preemption changes the
+schedule and is not compared here.
+
+Asserted: token-exact greedy output in every phase; the indexer's top-k ran; hits > 0 and at
+least stock's (with prefix caching on); the forced moves copied pages and the arena evicted
+cached pages; aborts drop their requests; at the end only the null page is live. Plus the
+line choice and refusals without an engine.
+"""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, check_aborts,
+                              run_side_by_side, run_vllm_script)
+
+V4 = "deepseek_v4"
+MAX_MODEL_LEN = 3072  # one prefill chunk on either host kind (no chunking differences)
+
+SCRIPT = r"""
+import vllm._custom_ops as ops
+from vllm import LLM, SamplingParams
+kw = dict(ARGS["kw"])
+llm = LLM(model=ARGS["model"], dtype="bfloat16", enforce_eager=True,
+          max_model_len=ARGS["max_model_len"], enable_prefix_caching=True, max_num_seqs=4,
+          seed=0, disable_log_stats=False, **kw)
+topk_calls = [0]
+topk_op = ops.topk_transform_512_cpu
+def counted(*a, **k):
+    topk_calls[0] += 1
+    return topk_op(*a, **k)
+ops.topk_transform_512_cpu = counted
+ula = ARGS["backend"] == "ulacache"
+res = {"prefix_caching": llm.llm_engine.vllm_config.cache_config.enable_prefix_caching}
+greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+def metric(name):
+    return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
+
+def usage():
+    return llm.collective_rpc("ulacache_usage")[0] if ula else None
+
+def run(name, prompts, out):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        [greedy(out + 5 * (i % 3)) for i in range(len(prompts))],
+                        use_tqdm=False)
+    res[name] = [list(o.outputs[0].token_ids) for o in outs]
+    res[name + "_cached"] = [o.num_cached_tokens for o in outs]
+    res[name + "_hits"] = metric("vllm:prefix_cache_hits")
+
+P = ARGS["prompts"]
+run("prime", P["prime"], ARGS["out"])
+res["topk_calls_prime"] = topk_calls[0]
+run("resend", P["prime"], ARGS["out"])
+run("variant", P["variant"], ARGS["out"])
+res["usage_hits"] = usage()
+run("pressure", P["pressure"], ARGS["pressure_out"])
+for i, p in enumerate(P["pressure"][:3]):  # one at a time: the same schedule on both sides
+    run(f"seq{i}", [p], ARGS["out"])
+run("after", P["prime"][:2], ARGS["out"])
+res["usage_pressure"] = usage()
+prompts = [{"prompt_token_ids": p} for p in P["abort"]]
+abort_tokens = 24
+""" + ABORT_TWO_OF_FOUR + r"""
+res["reset_ok"] = llm.reset_prefix_cache()
+run("after_reset", P["prime"][:1], 4)
+res["reset_ok2"] = llm.reset_prefix_cache()
+llm.llm_engine.step()  # (in-process core) the empty step that ships the freed figures
+res["usage_end"] = usage()
+res["topk_calls"] = topk_calls[0]
+""" + EMIT_WITH_METRICS
+
+PHASES = ("prime", "resend", "variant", "pressure", "seq0", "seq1", "seq2", "after",
+          "after_reset")
+
+
+def _prompts() -> dict:
+    rng = random.Random(44)
+    ids = lambda n: [rng.randrange(3, 500) for _ in range(n)]
+    long_a, long_b = ids(2400), ids(2150)
+    prime = [long_a, ids(300), long_b, ids(90)]
+    # A conversation's next turn: the whole earlier prompt and a new tail (stock hashes the
+    # window and compressor states where a prompt ends: vLLM's retention rule).
+    variant = [long_a + ids(200), prime[1] + ids(100)]
+    pressure = [ids(2100 + 97 * i) for i in range(4)] + [ids(200)]
+    abort = [ids(30)] * 4 + [ids(400 + 50 * i) for i in range(4)]
+    return dict(prime=prime, variant=variant, pressure=pressure, abort=abort)
+
+
+@pytest.fixture(scope="module")
+def v4_line_runs(tiny_model):
+    model = str(tiny_model(V4))
+    base = dict(model=model, max_model_len=MAX_MODEL_LEN, prompts=_prompts(), out=12,
+                pressure_out=40)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+    def call(backend, kw):
+        args = {**base, "backend": backend, "kw": {"kv_backend": backend, **kw}}
+        return lambda bind: run_vllm_script(SCRIPT, args=args, timeout=900, env={**env, **bind})
+
+    # The arena: ~1.4 max_model_len requests' worst case (one prefill chunk's compressor
+    # states: ~51 MiB), admitting the batches stock admits; compactions/relayouts forced every
+    # other step. Stock: room.
+    ula, ref = run_side_by_side(
+        call("ulacache", dict(kv_cache_memory_bytes=ULA_BUDGET, ula_arena_force_moves=2)),
+        call("vllm", dict(kv_cache_memory_bytes=256 << 20)))
+    return ref, ula
+
+
+ULA_BUDGET = 72 << 20
+
+
+@pytest.mark.engine
+def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
+    ref, ula = v4_line_runs
+    assert ula["prefix_caching"] == ref["prefix_caching"]
+    for p in PHASES:
+        assert ula[p] == ref[p], p
+    # The real indexer ran (prompts over 4 * index_topk tokens), on both sides alike.
+    assert ula["topk_calls_prime"] > 0 and ula["topk_calls"] == ref["topk_calls"], \
+        (ula["topk_calls"], ref["topk_calls"])
+    if ula["prefix_caching"]:  # vLLM's CPU platform turns it off for V4 without AMX
+        for p in ("resend", "variant"):
+            assert all(u >= r for u, r in zip(ula[p + "_cached"], ref[p + "_cached"])), \
+                (p, ula[p + "_cached"], ref[p + "_cached"])
+        assert sum(ula["resend_cached"]) > 0 and ula["variant_cached"][0] > 0, ula
+    m = ula["metrics"]
+    assert m["vllm:ulacache_arena_bytes_copied"] > 0, m  # the forced moves ran
+    if ula["prefix_caching"]:
+        assert m["vllm:ulacache_arena_cache_evictions"] > 0, m  # room made from cached pages
+    check_aborts(ref)
+    check_aborts(ula, ref)
+    assert ula["after_reset_cached"] == [0] == ref["after_reset_cached"]
+    u = ula["usage_end"]
+    assert u["arena_used_bytes"] == 0 and u["arena_live_pages"] == 0, u
+    assert u["arena_withheld_bytes"] == 0, u
+    assert u["arena_free_bytes"] + u["kinds_null_bytes"] == u["arena_total_bytes"], u
+
+
+# ------------------------------------------------------------------ the line, no engine
+def _hf(model_type: str, arch: str):
+    return SimpleNamespace(model_type=model_type, architectures=[arch],
+                           get_text_config=lambda: SimpleNamespace(index_topk=512))
+
+
+def test_v4_is_served_by_its_own_line():
+    from ulacache_vllm.engine.lines import choose_line, line_serving
+
+    cfg = SimpleNamespace(hf_config=_hf("deepseek_v4", "DeepseekV4ForCausalLM"))
+    assert choose_line(cfg).name == "v4"
+    assert line_serving(cfg.hf_config).name == "v4"
+
+
+def test_v41_is_refused_naming_what_is_missing():
+    from ulacache_vllm.engine.config import KVBackendError
+    from ulacache_vllm.engine.lines import choose_line
+
+    cfg = SimpleNamespace(hf_config=_hf("deepseek_v41", "DeepseekV41ForCausalLM"))
+    with pytest.raises(KVBackendError, match="V4.1.*--kv-backend vllm"):
+        choose_line(cfg)
+
+
+def test_only_the_indexer_key_pages_widen_the_granule():
+    from ulacache_vllm.engine.arena.sizing import _alignment
+    from ulacache_vllm.engine.v4.sizing import strided_layer
+
+    assert strided_layer("model.layers.1.attn.indexer.k_cache")
+    assert not strided_layer("model.layers.1.attn")
+    assert not strided_layer("model.layers.1.attn.swa_cache")
+    assert not strided_layer("model.layers.1.attn.indexer.compressor.state_cache")
+    pages = [37440, 8640, 1728, 32832]
+    assert _alignment(pages, 1 << 28) == 512  # the pages' gcd is 576: a 512-B granule
+    a = _alignment(pages, 1 << 28, 8640)
+    assert a >= 8640 and a % 512 == 0
+
+
+@pytest.mark.parametrize("what, change, needle", [
+    ("tp", dict(tensor_parallel_size=2), "tensor or pipeline parallelism"),
+    ("spec", dict(speculative=True), "speculative decoding"),
+])
+def test_v4_refusals_name_the_fix(what, change, needle):
+    from ulacache_vllm.engine.config import KVBackendError, UlaSettings
+    from ulacache_vllm.engine.v4.sizing import prepare
+
+    pc = SimpleNamespace(tensor_parallel_size=change.get("tensor_parallel_size", 1),
+                         pipeline_parallel_size=1, decode_context_parallel_size=1,
+                         prefill_context_parallel_size=1)
+    cfg = SimpleNamespace(parallel_config=pc,
+                          speculative_config=object() if change.get("speculative") else None,
+                          scheduler_config=SimpleNamespace(async_scheduling=True))
+    with pytest.raises(KVBackendError, match=needle) as e:
+        prepare(cfg, UlaSettings())
+    assert "--kv-backend vllm" in str(e.value) or "Drop" in str(e.value)
