@@ -56,6 +56,8 @@ pages moved, cache evictions).
     python benchmarks/prefix_cache.py --hybrid                 # all three models, 2 repeats
     python benchmarks/prefix_cache.py --hybrid --models gpt_oss --repeats 3
     python benchmarks/prefix_cache.py --hybrid --models qwen3_next --hybrid-workloads shared
+    python benchmarks/prefix_cache.py --hybrid --models qwen3_next --hybrid-workloads shared \
+        --repeats 1 --kv-mib 12 --out /tmp/x   # another memory (file ..._12mib.json)
 
 Writes ``prefix_cache_hybrid[_quick].json`` into ``--out``.
 """
@@ -393,7 +395,7 @@ def run_hybrid(a) -> None:
     out = {"host": cpu_host(), "workload": wl, "repeats": a.repeats, "models": {}}
     for name in models:
         overrides, dtype, kv_bytes, batch_tokens = HYBRID[name]
-        kv_bytes = int(kv_bytes * wl["kv_scale"])
+        kv_bytes = int((a.kv_mib << 20 if a.kv_mib else kv_bytes) * wl["kv_scale"])
         model = _hybrid_model(name, overrides)
         rows = out["models"].setdefault(name, {"dtype": dtype, "kv_bytes": kv_bytes,
                                                "max_num_batched_tokens": batch_tokens,
@@ -408,7 +410,8 @@ def run_hybrid(a) -> None:
             res = _hybrid_subprocess(cfg, a.timeout)
             rows["configs"][cname] = res
             _hybrid_report(name, cname, res, a.hybrid_workloads)
-    stem = "prefix_cache_hybrid" + ("_quick" if a.quick else "")
+    stem = ("prefix_cache_hybrid" + (f"_{a.kv_mib}mib" if a.kv_mib else "")
+            + ("_quick" if a.quick else ""))
     path = Path(a.out) / f"{stem}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"args": vars(a), **out}, indent=1, default=str))
@@ -525,6 +528,9 @@ def main() -> None:
     ap.add_argument("--hybrid-workloads", default=",".join(HYBRID_WORKLOADS),
                     type=lambda s: tuple(w for w in s.split(",") if w),
                     help="--hybrid: the workloads to run (shared, chat)")
+    ap.add_argument("--kv-mib", type=int, default=0,
+                    help="--hybrid: KV memory of every configuration in MiB instead of the "
+                         "model's default (HYBRID); the file is prefix_cache_hybrid_<N>mib")
     a = ap.parse_args()
     if a.hybrid and (not a.hybrid_workloads or set(a.hybrid_workloads) - set(HYBRID_WORKLOADS)
                      or "shared" not in a.hybrid_workloads):

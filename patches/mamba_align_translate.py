@@ -6,7 +6,9 @@ step's running state) into its current one, addressing states as `state[block_id
 ids of the request's block table. Under the arena those ids are virtual page ids and the
 state views are indexed by granule: the ids are translated to granules (the line worker's
 `translate_ids`, `line.LineWorker`; the identity for a line that does not move pages) before
-vLLM builds the copy list. Every other backend keeps vLLM's behaviour.
+vLLM builds the copy list. A copy of a block onto itself (the arena's running state relocated
+to its new column, `patches/mamba_running_state`) is dropped from the list. Every other
+backend keeps vLLM's behaviour.
 """
 from __future__ import annotations
 
@@ -24,13 +26,31 @@ def collect(orig, copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_grou
     from ulacache_vllm.engine.connector import ula_connector
 
     conn = ula_connector()
-    if conn is not None:
-        ids = list(req_state.block_ids)
-        for g in mamba_group_ids:
-            ids[g] = conn.worker.translate_ids(ids[g])
-        req_state = SimpleNamespace(block_ids=ids)
-    return orig(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
-                src_block_idx, dest_block_idx, accept_token_bias, req_state, forward_context)
+    if conn is None:
+        return orig(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
+                    src_block_idx, dest_block_idx, accept_token_bias, req_state,
+                    forward_context)
+    ids = list(req_state.block_ids)
+    for g in mamba_group_ids:
+        ids[g] = conn.worker.translate_ids(ids[g])
+    start = copy_bufs.offset
+    out = orig(copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_group_ids,
+               src_block_idx, dest_block_idx, accept_token_bias,
+               SimpleNamespace(block_ids=ids), forward_context)
+    _drop_self_copies(copy_bufs, start)
+    return out
+
+
+def _drop_self_copies(copy_bufs, start: int) -> None:
+    """Drop the entries from ``start`` on that copy a range onto itself."""
+    src, dst, sizes = copy_bufs.src_ptrs.np, copy_bufs.dst_ptrs.np, copy_bufs.sizes.np
+    end, k = copy_bufs.offset, start
+    for i in range(start, end):
+        if src[i] != dst[i]:
+            if k != i:
+                src[k], dst[k], sizes[k] = src[i], dst[i], sizes[i]
+            k += 1
+    copy_bufs.offset = k
 
 
 def apply() -> None:

@@ -638,3 +638,46 @@ def test_arena_hits_at_equal_memory_at_least_stocks(monkeypatch):
     # Under pressure: it evicted, and compacted (free bytes scattered) without evicting.
     assert sum(seen) == mgr._state.cache_stats["cache_evictions"] > 0
     assert mgr.arena.stats["compactions"] + mgr.arena.stats["relayouts"] > 0
+
+
+def test_a_decoding_gdn_state_keeps_its_page_past_the_prompt():
+    """Align-mode GDN state under prefix caching (retention 0): decode crossing a 32-token
+    page past the prompt keeps the running state in its page (vLLM's relocation of the block
+    to the new column; stock's 640-token block never moves it there), so no state page is
+    placed and none is taken from the prefix cache; the harness checks the page keeps its
+    bytes (issue 45, 12 MiB: one such move evicted a cached prefix; the engine test with
+    forced moves: `test_arena_prefix_caching`)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    state = MambaSpec(block_size=BS, shapes=((3, 256),), dtypes=(torch.float32,),
+                      mamba_cache_mode="align")
+    groups = [ArenaGroup("state", "low", ("l0",), state.page_size_bytes, BS, 1),
+              ArenaGroup("full", "high", ("l1",), PAGE, BS, MAX_LEN // BS)]
+    total = 40 * PAGE
+    layout = ArenaLayout(groups, 1024, total, total + state.page_size_bytes,
+                         total + state.page_size_bytes, MAX_LEN)
+    cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], state),
+                                         KVCacheGroupSpec(["l1"], FULL)],
+                        prefix_cache_retention_interval=0)
+    mgr = ArenaKVCacheManager(UlaKVCacheConfig.of(cfg, layout), max_model_len=MAX_LEN,
+                              scheduler_block_size=BS, hash_block_size=BS,
+                              enable_caching=True, max_in_flight_tokens=MAX_LEN)
+    eng = Engine(mgr)
+    req = _hashed(list(range(1, 2 * BS + 6)), "r")
+    got, _ = eng.step({req: req.num_tokens})
+    assert got["r"] is not None
+    req.status = RequestStatus.RUNNING  # (the harness counts the computed tokens)
+    first = mgr.get_block_ids("r")[0]
+    assert len(first) == 3 and first[-1] != 0
+    for _ in range(3 * BS):  # decode to 2 * BS + 5 + 96 tokens: 3 page crossings
+        req.append_output_token_ids(7)
+        got, plan = eng.step({req: 1})
+        assert got["r"] is not None
+        ids = mgr.get_block_ids("r")[0]
+        assert ids[-1] == first[-1] and set(ids[:-1]) == {0}, ids
+        new = np.asarray(mgr.arena.p2v(plan.new[:, 0]), np.int64)
+        assert mgr.arena.kind_index("state") not in set(mgr.arena.placement()[1][new].tolist())
+    assert len(ids) == 6 and mgr._state.cache_stats["state_moves_saved"] == 3
+    mgr.free(req)
+    assert mgr.arena.used_bytes == mgr.arena.page_bytes[0] + mgr._state.cached_free_bytes()

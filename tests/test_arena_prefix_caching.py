@@ -232,7 +232,7 @@ def test_qwen3_next_align_mode_prefix_caching_parity(qwen_runs):
     stock's in every wave, siblings included, the same hit lengths request by request (640
     for resends, prefix variants and a sibling prompt) and the same
     `vllm:prefix_cache_hits`, at the same KV memory; cached pages moved and cold ones evicted
-    under pressure."""
+    under pressure; a decoding request's state stays in its page past the prompt."""
     ref, ula = qwen_runs
     assert ula["mamba_cache_mode"] == "align" == ref["mamba_cache_mode"]
     assert ula["block_size"] == 32 and ref["block_size"] > 32, (ula["block_size"],
@@ -253,6 +253,10 @@ def test_qwen3_next_align_mode_prefix_caching_parity(qwen_runs):
     assert m["vllm:ulacache_arena_cached_pages_moved"] > 0, m
     assert m["vllm:ulacache_arena_cache_evictions"] > 0, m
     assert set(ula["usage_main"]["kinds"]) == {"state", "full"}
+    # Decode past the prompt keeps the running GDN state in its page (relocated to the new
+    # 32-token column, no new page or copy; stock's 640-token block never moves it there):
+    # the outputs above are token-exact with it, under forced compactions and relayouts.
+    assert ula["usage_main"]["arena_state_moves_saved"] > 0, ula["usage_main"]
     assert ula["reset_ok"] and ula["cached"]["after_reset"] == [0]
     u = ula["usage_end"]
     assert u["arena_used_bytes"] == 0 and u["arena_live_pages"] == 0, u

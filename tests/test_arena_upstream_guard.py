@@ -156,3 +156,47 @@ def test_the_arena_checkpoints_gdn_state_at_stocks_block():
     assert state_checkpoint_tokens([(["l3"], full)]) == 0
     wide = MambaSpec(shapes=state.shapes, dtypes=state.dtypes, block_size=1024)
     assert state_checkpoint_tokens([(["l0"], wide), (["l3"], full)]) == 0
+
+
+def test_the_running_state_hook_is_vllms_and_a_changed_one_fails_loudly(monkeypatch):
+    """The arena's GDN managers keep a decoding request's state in its page past the prompt
+    (issue 45), repeating vLLM's align-mode bookkeeping: tied to the installed methods'
+    sources and vLLM's version; a manager that is not align mode, has speculative blocks or
+    another retention keeps vLLM's methods."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    from ulacache_vllm.patches import mamba_running_state as hook
+
+    hook.check()
+    mgr = SimpleNamespace(mamba_cache_mode="align", num_speculative_blocks=1,
+                          has_prefill_checkpoint_blocks=False)
+    assert not hook.install(mgr, 0) and not hasattr(mgr, "allocate_new_blocks")
+    mgr.num_speculative_blocks = 0
+    assert not hook.install(mgr, None) and not hook.install(mgr, 640)
+
+    def allocate_new_blocks(self, request_id, num_tokens, num_tokens_main_model):
+        return []  # another body
+
+    monkeypatch.setattr(MambaManager, "allocate_new_blocks", allocate_new_blocks)
+    with pytest.raises(VllmHookError, match="allocate_new_blocks"):
+        hook.check()
+
+
+def test_an_align_copy_of_a_page_onto_itself_is_dropped():
+    """A relocated running state's align copy (its page onto itself) leaves vLLM's copy list;
+    the other entries keep their order."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from ulacache_vllm.patches.mamba_align_translate import _drop_self_copies
+
+    arr = lambda *v: SimpleNamespace(np=np.array([*v, 0, 0], np.int64))  # noqa: E731
+    bufs = SimpleNamespace(src_ptrs=arr(9, 10, 20, 30), dst_ptrs=arr(9, 11, 20, 31),
+                           sizes=arr(1, 2, 3, 4), offset=4)
+    _drop_self_copies(bufs, 1)
+    assert bufs.offset == 3
+    assert bufs.src_ptrs.np[:3].tolist() == [9, 10, 30]
+    assert bufs.dst_ptrs.np[:3].tolist() == [9, 11, 31] and bufs.sizes.np[:3].tolist() == [1, 2, 4]

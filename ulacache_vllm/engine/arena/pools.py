@@ -107,7 +107,8 @@ class ArenaState:
         self.speculative: set[int] = set()  # pages only the sibling reach keeps
         self.reach_marks = None  # (kind, block indices) of the next cache_full_blocks
         self.allocating = False
-        self.cache_stats = {"cached_pages_moved": 0, "cache_evictions": 0}
+        self.cache_stats = {"cached_pages_moved": 0, "cache_evictions": 0,
+                            "state_moves_saved": 0}
         self.releasing: list[int] | None = None  # inside ``batched_release``
 
     # A per-kind page demand this large means "not this step" (Mamba's same-step-hit sentinel).
@@ -311,6 +312,26 @@ def _with_checkpoint(cache_blocks, tokens: int, drop_eagle_block: bool):
         return cache_blocks(request, num_tokens, retention_interval,
                             replay_boundaries=replay_boundaries)
     return cache
+
+
+# In "align" mode a running request's state moves to a new block each time decode crosses a
+# block boundary (one more state page for a step, and a copy); at the arena's 32-token pages
+# that is every 32 tokens (stock: every 640), and under pressure the page's bytes came from
+# the prefix cache (issue 45, 12 MiB: a whole cached prefix evicted for one move). Past every
+# boundary whose state can be kept (retention 0), the running block moves to the new column
+# instead (``patches/mamba_running_state``): no page, no copy.
+def keep_running_state(managers, state, retention_interval) -> int:
+    """Install the relocation on each align-mode GDN/mamba manager without speculative
+    blocks; returns how many took it."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    from ulacache_vllm.patches import mamba_running_state
+
+    def counted() -> None:
+        state.cache_stats["state_moves_saved"] += 1
+
+    return sum(mamba_running_state.install(mgr, retention_interval, counted)
+               for mgr in managers if isinstance(mgr, MambaManager))
 
 
 class ArenaBlockPool(BlockPool):
