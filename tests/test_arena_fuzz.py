@@ -56,3 +56,15 @@ def test_prefix_caching_with_failing_copies_drops_lost_pages_from_the_cache():
     stats = run(4, num_steps=300, total_pages=48, force_moves=3, fault_every=8, caching=True)
     assert stats.lost_pages > 0 and stats.ended_by_faults > 0, stats
     assert stats.ops["admit_hit"] > 0, stats
+
+
+@pytest.mark.parametrize("seed,fault_every", [(1, 0), (5, 8)])
+def test_prefix_caching_at_retention_0_keeps_decoding_states_in_their_pages(seed, fault_every):
+    """vLLM's default retention for hybrids (only reachable boundaries cached): past them a
+    decoding request's GDN state stays in its page at each page crossing (issue 45), through
+    preemptions, aborts, moves and failing copies; bytes, hashes and holdings checked."""
+    stats = run(seed, num_steps=400, total_pages=48, force_moves=3, fault_every=fault_every,
+                caching=True, retention=0)
+    assert stats.state_moves_saved > 0 and stats.ops.get("admit_hit", 0) > 0, stats
+    assert stats.preempted > 0 and stats.cached_pages_moved > 0, stats
+    assert (stats.lost_pages > 0) == bool(fault_every), stats

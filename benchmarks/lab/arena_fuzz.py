@@ -59,6 +59,7 @@ class ArenaFuzzStats:
     hit_tokens: int = 0  # prompt tokens admissions took from the prefix cache
     cache_evictions: int = 0
     cached_pages_moved: int = 0
+    state_moves_saved: int = 0  # decode crossings that kept the GDN state in its page
     resets: int = 0
 
 
@@ -77,7 +78,7 @@ def specs(caching: bool = False):
 
 
 def manager(total_bytes: int, force_moves: int = 0, caching: bool = False,
-            zero_new_pages: bool = True):
+            zero_new_pages: bool = True, retention: int | None = None):
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     from ulacache_vllm.engine.arena.manager import ArenaKVCacheManager
@@ -95,7 +96,8 @@ def manager(total_bytes: int, force_moves: int = 0, caching: bool = False,
     layout = ArenaLayout(groups, align, total, total + max(pages), total + max(pages), MAX_LEN,
                          force_moves_every=force_moves, zero_new_pages=zero_new_pages)
     cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec([n], s) for n, s in sp.values()])
+                        kv_cache_groups=[KVCacheGroupSpec([n], s) for n, s in sp.values()],
+                        prefix_cache_retention_interval=retention)
     cfg = UlaKVCacheConfig.of(cfg, layout)
     sched_bs = math.lcm(*(s.block_size for _, s in sp.values()))  # as vLLM computes it
     return ArenaKVCacheManager(cfg, max_model_len=MAX_LEN, scheduler_block_size=sched_bs,
@@ -243,10 +245,12 @@ def _check_holdings(mgr, live: dict, last: dict, caching: bool = False) -> None:
 
 def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
         fault_every: int = 0, caching: bool = False,
-        zero_new_pages: bool = True) -> ArenaFuzzStats:
+        zero_new_pages: bool = True, retention: int | None = None) -> ArenaFuzzStats:
     """``num_steps`` engine steps of random operations; ``fault_every``: about one step in
     this many has a failing copy (0: none); ``zero_new_pages``: the layout's (off: new pages
-    keep their stale bytes, as stock's blocks of one precision do)."""
+    keep their stale bytes, as stock's blocks of one precision do); ``retention``: vLLM's
+    prefix-cache retention interval (None: every page cached; 0, the engine's default for
+    hybrids: only reachable boundaries, and the GDN state kept in its page past them)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
@@ -254,7 +258,7 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
 
     rng = random.Random(seed)
     page = specs()["full"][1].page_size_bytes
-    mgr = manager(total_pages * page, force_moves, caching, zero_new_pages)
+    mgr = manager(total_pages * page, force_moves, caching, zero_new_pages, retention)
     hasher = None
     if caching:
         from vllm.utils.hashing import sha256
@@ -384,6 +388,7 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
     s = mgr.stats()
     stats.cache_evictions = s["arena_cache_evictions"]
     stats.cached_pages_moved = s["arena_cached_pages_moved"]
+    stats.state_moves_saved = s["arena_state_moves_saved"]
     if caching:
         _check_holdings(mgr, live, {}, caching)
         assert mgr.reset_prefix_cache(), "the cache did not reset with no page held"
