@@ -681,3 +681,29 @@ def test_a_decoding_gdn_state_keeps_its_page_past_the_prompt():
     assert len(ids) == 6 and mgr._state.cache_stats["state_moves_saved"] == 3
     mgr.free(req)
     assert mgr.arena.used_bytes == mgr.arena.page_bytes[0] + mgr._state.cached_free_bytes()
+
+
+def test_new_pages_are_zeroed_only_for_the_kinds_the_layout_zeroes():
+    """vLLM's CPU runner zeroes new full-attention blocks only; a sliding kind the layout does
+    not zero (`ArenaGroup.zeroed`, false for sliding windows from `plan_arena`: DeepSeek-V4's
+    window and compressor states) sends no new page to be zeroed, the full kind all of its."""
+    import dataclasses
+
+    layout = _layout(64)
+    layout.groups[0] = dataclasses.replace(layout.groups[0], zeroed=False)
+    cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], SWA),
+                                         KVCacheGroupSpec(["l1"], FULL)])
+    mgr = ArenaKVCacheManager(UlaKVCacheConfig.of(cfg, layout), max_model_len=MAX_LEN,
+                              scheduler_block_size=BS, hash_block_size=BS,
+                              enable_caching=False, max_in_flight_tokens=BS)
+    req = _request("a", 5 * BS)
+    blocks = mgr.allocate_slots(req, req.num_tokens)
+    assert blocks is not None
+    plan = mgr.take_step()
+    v2p, kind = mgr.arena.placement()
+    full = [v for v in blocks.get_block_ids()[1] if v]
+    sliding = [v for v in blocks.get_block_ids()[0] if v]
+    assert full and sliding
+    assert sorted(plan.new[:, 0].tolist()) == sorted(v2p[full].tolist())
+    assert set(plan.new[:, 1].tolist()) == {mgr.arena.page_bytes[2]}

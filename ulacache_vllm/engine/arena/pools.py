@@ -44,7 +44,8 @@ class ArenaStepPlan:
     """What the worker does before a step's forward, in this order: the copy steps (each a
     ``(k, 3)`` array of src, dst, nbytes; sources of a step read before any write), the v2g
     updates (``vids`` placed at ``granules``, pages of ``sizes`` bytes), then zero the new
-    pages (``new``: byte offset, nbytes) where the layout says so (``zero_new_pages``)."""
+    pages (``new``: byte offset, nbytes; of the kinds the layout zeroes, ``ArenaGroup.zeroed``)
+    where the layout says so (``zero_new_pages``)."""
 
     copies: list = field(default_factory=list)
     vids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
@@ -93,6 +94,8 @@ class ArenaState:
         self.dirty = False  # pages freed since the last plan (the worker's figures are stale)
         self.min_page = min(self.arena.page_bytes[1:])
         self._page_bytes = np.asarray(self.arena.page_bytes, np.int64)
+        # Kinds whose new pages the worker zeroes (index = kind: the null kind, then groups).
+        self._zeroed = np.asarray([False] + [g.zeroed for g in layout.groups], bool)
         # Prefix caching: every live vid's one KVCacheBlock, the kind pools (each with its
         # free-but-cached pages), those pages in the order they leave (``cache``: units of
         # the pages one request released, least recently released first), the request whose
@@ -212,6 +215,7 @@ class ArenaState:
                 1 for v in changed.tolist()
                 if v not in fresh and v in live and live[v].block_hash is not None)
         ranges = _NO_NEW
+        new = new[self._zeroed[kind[new]]] if len(new) else new
         if len(new):
             ranges = np.empty((len(new), 2), np.int64)
             ranges[:, 0] = v2p[new]

@@ -39,6 +39,10 @@ class ArenaGroup:
     layer_page_bytes: int  # one layer's page
     block_size: int  # tokens per page (state kinds: vLLM's mamba block size)
     pages_per_max_request: int  # pages one request of max_model_len holds (admission cap)
+    # New pages of this kind are zeroed when the layout zeroes (``zero_new_pages``): vLLM
+    # zeroes full-attention blocks (its CPU runner's ``_zero_block_ids``) and the arena keeps
+    # zeroing recurrent state; sliding-window pages reuse stale bytes, as stock's blocks do.
+    zeroed: bool = True
 
     @property
     def page_bytes(self) -> int:
@@ -207,7 +211,7 @@ def plan_arena(vllm_config, specs: dict, available_bytes: int, settings: UlaSett
             # it is freed, checkpoints; its block-table row is longer, mostly null).
             per_req = -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
         out.append(ArenaGroup(kind, band, tuple(names), spec.page_size_bytes, spec.block_size,
-                              int(per_req)))
+                              int(per_req), zeroed=base != "sliding"))
     pages = [g.layer_page_bytes for g in out] + [g.page_bytes for g in out]
     strict = max((g.layer_page_bytes for g in out
                   if any(strided_layers(n) for n in g.layer_names)), default=0)
