@@ -1,0 +1,170 @@
+"""DeepSeek-V4 capacity at equal KV memory: stock vLLM against `--kv-backend ulacache`.
+
+The tiny DeepSeek-V4 (every layer kind once: sliding window only, CSA, HCA) in the real engine
+on vLLM's CPU build, one KV byte budget (``kv_cache_memory_bytes``) for both, each engine in its
+own subprocess (this script re-invoked with ``--worker``, engine core in-process so the worker
+reads the scheduler). A batch of long requests (random token ids over 2048 tokens, so the
+real indexer selects the top 512 compressed rows) is submitted at once; per step the worker
+records the running and waiting requests, and the KV bytes in use (stock: blocks in use x its
+block stride, the widest group's page; ulacache: the arena's used bytes).
+
+Printed side by side, from one invocation: peak and mean running requests, preemptions, the
+KV bytes one running request holds in decode (median over decode-only steps of bytes in use /
+running), wall time and output tokens/s, and whether the greedy tokens are identical. Where the
+figure comes from: stock pads every page of every group to its widest group's (`kv cache group
+sizes` in its log); the arena keeps each at its own size (the ulacache startup line).
+
+    python benchmarks/v4_capacity.py                       # ~5 minutes on 2 cores
+    python benchmarks/v4_capacity.py --kv-mib 160 --requests 16
+
+Writes ``results/v4_capacity.json`` (``--tag`` adds a suffix) and appends nothing else.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+REPO = Path(__file__).resolve().parents[1]
+MARK = "@@V4_CAPACITY@@"
+MiB = 1 << 20
+
+
+def _worker(cfg: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=cfg["model"], dtype="bfloat16", enforce_eager=True, seed=0,
+              max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
+              kv_cache_memory_bytes=cfg["kv_bytes"], kv_backend=cfg["backend"],
+              enable_prefix_caching=False, disable_log_stats=False)
+    eng = llm.llm_engine
+    core = eng.engine_core.engine_core
+    sched = core.scheduler
+    ula = cfg["backend"] == "ulacache"
+    pool = sched.kv_cache_manager.block_pool
+    kvc = sched.kv_cache_config
+    block_bytes = (max(t.block_stride for t in kvc.kv_cache_tensors) if not ula else None)
+
+    def used_bytes() -> int:
+        if ula:
+            a = sched.kv_cache_manager.arena
+            return int(a.used_bytes - a.page_bytes[0])  # (the null page: never a request's)
+        return (pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()) * block_bytes
+
+    rng = random.Random(cfg["seed"])
+    sp = SamplingParams(temperature=0, max_tokens=cfg["output_tokens"], ignore_eos=True)
+    for i in range(cfg["requests"]):
+        n = cfg["prompt_tokens"] + rng.randrange(0, 200)
+        eng.add_request(f"r{i}", {"prompt_token_ids": [rng.randrange(3, 500) for _ in range(n)]},
+                        sp)
+    steps, done, t0 = [], {}, time.perf_counter()
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+        running, waiting = len(sched.running), len(sched.waiting)
+        prefill = any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running)
+        steps.append((running, waiting, used_bytes(), prefill))
+        for o in outs:
+            if o.finished:
+                done[o.request_id] = list(o.outputs[0].token_ids)
+    wall = time.perf_counter() - t0
+    preempt = sum(getattr(m, "value", 0) for m in llm.get_metrics()
+                  if m.name == "vllm:num_preemptions")
+    decode = [b / r for r, _, b, p in steps if r and not p]
+    return dict(backend=cfg["backend"], steps=len(steps), wall_s=wall,
+                peak_running=max(r for r, *_ in steps),
+                mean_running=statistics.mean(r for r, *_ in steps),
+                preemptions=preempt,
+                decode_bytes_per_request=statistics.median(decode) if decode else None,
+                out_tok_s=sum(len(t) for t in done.values()) / wall,
+                tokens=[done[f"r{i}"] for i in range(cfg["requests"])],
+                block_bytes=block_bytes)
+
+
+def _spawn(cfg: dict) -> dict:
+    env = dict(os.environ)
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], env=env,
+                         capture_output=True, text=True, timeout=cfg["timeout"])
+    for line in out.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    return {"backend": cfg["backend"], "failed": True, "stderr_tail": out.stderr[-4000:]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", default=None, help="a DeepSeek-V4 checkpoint (default: the "
+                    "tiny V4, built under models_cache/ if absent)")
+    ap.add_argument("--compress-ratios", default=None, metavar="R,R,...",
+                    help="the tiny V4's layer schedule (default: the factory's 0,4,128: one "
+                    "layer of each kind); e.g. 0,4,128,4,128,4,128,4")
+    ap.add_argument("--kv-mib", type=int, default=128, help="KV budget, both sides (MiB)")
+    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--prompt-tokens", type=int, default=2100)
+    ap.add_argument("--output-tokens", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=3072)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args()
+    if args.worker:
+        cfg = json.loads(args.worker)
+        print(MARK + json.dumps(_worker(cfg)), flush=True)
+        return
+    model = args.model
+    if model is None:
+        from ulacache_vllm.models import build_model
+
+        ratios = ([int(x) for x in args.compress_ratios.split(",")]
+                  if args.compress_ratios else None)
+        path = REPO / "models_cache" / ("bench-deepseek-v4" + (
+            "-" + "-".join(map(str, ratios)) if ratios else ""))
+        if not (path / "config.json").exists():
+            build_model("deepseek_v4", path, overrides=dict(
+                compress_ratios=ratios, num_hidden_layers=len(ratios)) if ratios else None)
+        model = str(path)
+    base = dict(model=model, kv_bytes=args.kv_mib * MiB, requests=args.requests,
+                prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=0,
+                timeout=1800)
+    res = {b: _spawn({**base, "backend": b}) for b in ("vllm", "ulacache")}
+    for r in res.values():
+        if r.get("failed"):
+            print(r["backend"], "FAILED\n", r["stderr_tail"])
+            sys.exit(1)
+    s, u = res["vllm"], res["ulacache"]
+    same = s["tokens"] == u["tokens"]
+    rows = [("peak running requests", "peak_running", "{:.0f}"),
+            ("mean running requests", "mean_running", "{:.2f}"),
+            ("preemptions", "preemptions", "{:.0f}"),
+            ("KV bytes per running request (decode)", "decode_bytes_per_request", "{:,.0f}"),
+            ("steps", "steps", "{:.0f}"), ("wall s", "wall_s", "{:.1f}"),
+            ("output tok/s", "out_tok_s", "{:.1f}")]
+    print(f"\nDeepSeek-V4 (tiny, layers {args.compress_ratios or '0,4,128'}) at {args.kv_mib} MiB KV, {args.requests} requests of "
+          f"{args.prompt_tokens}-{args.prompt_tokens + 199} prompt + {args.output_tokens} output "
+          f"tokens, max_num_seqs {args.max_num_seqs}")
+    print(f"{'':40s} {'stock vLLM':>14s} {'ulacache':>14s} {'ratio':>8s}")
+    for label, key, fmt in rows:
+        a, b = s[key], u[key]
+        ratio = f"{b / a:.2f}x" if a else "-"
+        print(f"{label:40s} {fmt.format(a):>14s} {fmt.format(b):>14s} {ratio:>8s}")
+    print(f"greedy tokens identical: {same}; stock block stride {s['block_bytes']:,} B")
+    out = RESULTS / f"v4_capacity{args.tag}.json"
+    for r in res.values():
+        r.pop("tokens")
+    json.dump(dict(args=vars(args), identical=same, results=res), open(out, "w"), indent=1)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
