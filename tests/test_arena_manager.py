@@ -683,6 +683,116 @@ def test_a_decoding_gdn_state_keeps_its_page_past_the_prompt():
     assert mgr.arena.used_bytes == mgr.arena.page_bytes[0] + mgr._state.cached_free_bytes()
 
 
+COARSE = 4 * BS  # stock's GDN block in the tests below (640 tokens on the tiny Qwen3-Next)
+
+
+def _gdn_specs(block):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    state = MambaSpec(block_size=block, shapes=((3, 256),), dtypes=(torch.float32,),
+                      mamba_cache_mode="align")
+    full = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    return state, full
+
+
+def _gdn_arena():
+    """The arena over an align-mode GDN state group and a full-attention group (32-token
+    pages), prefix caching at vLLM's retention 0, the state checkpoint at stock's block."""
+    state, full = _gdn_specs(BS)
+    groups = [ArenaGroup("state", "low", ("l0",), state.page_size_bytes, BS, 1),
+              ArenaGroup("full", "high", ("l1",), PAGE, BS, MAX_LEN // BS)]
+    total = 200 * PAGE
+    layout = ArenaLayout(groups, 1024, total, total + state.page_size_bytes,
+                         total + state.page_size_bytes, MAX_LEN)
+    layout.state_checkpoint_tokens = COARSE
+    cfg = KVCacheConfig(num_blocks=layout.num_granules, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], state),
+                                         KVCacheGroupSpec(["l1"], full)],
+                        prefix_cache_retention_interval=0)
+    return ArenaKVCacheManager(UlaKVCacheConfig.of(cfg, layout), max_model_len=MAX_LEN,
+                               scheduler_block_size=BS, hash_block_size=BS,
+                               enable_caching=True, max_in_flight_tokens=MAX_LEN)
+
+
+def _gdn_stock():
+    """vLLM's own manager for the same groups at stock's block (hash block = block)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    state, full = _gdn_specs(COARSE)
+    cfg = KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["l0"], state),
+                                         KVCacheGroupSpec(["l1"], full)],
+                        prefix_cache_retention_interval=0)
+    return KVCacheManager(cfg, max_model_len=MAX_LEN, scheduler_block_size=COARSE,
+                          hash_block_size=COARSE, enable_caching=True,
+                          max_in_flight_tokens=MAX_LEN)
+
+
+def _sibling_admissions(mgr, block):
+    """A prompt's prefill in two chunks (stock's split: its coarse block, then the rest),
+    then three siblings sharing its first COARSE + 20 tokens queued from its second chunk,
+    first come first served, the running ones decoding. Returns (step, sibling, hit tokens)
+    per admission attempt, None where the manager deferred it."""
+    import random
+
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(1, 1000) for _ in range(n)]  # noqa: E731
+    head = ids(COARSE + 20)
+    a = _hashed(head + ids(20), "a", block)
+    waiting = [_hashed(head + ids(25 + 5 * i), f"s{i}", block) for i in range(3)]
+    chunks, running, log = [COARSE, a.num_tokens - COARSE], [], []
+    for step in range(1, 8):
+        mgr.new_step_starts()
+        scheduled = {}
+        for r in running:
+            r.append_output_token_ids(5)
+            assert mgr.allocate_slots(r, 1) is not None
+            scheduled[r] = 1
+        if chunks:
+            n = chunks.pop(0)
+            assert mgr.allocate_slots(a, n) is not None
+            a.status = RequestStatus.RUNNING
+            scheduled[a] = n
+            if not chunks:
+                running.append(a)
+        while step > 1 and waiting:
+            r = waiting[0]
+            blocks, hit, r.shared_prefix_boundary = mgr.get_computed_blocks(r)
+            if mgr.allocate_slots(r, r.num_tokens - hit, hit, blocks) is None:
+                log.append((step, r.request_id, None))
+                break
+            log.append((step, r.request_id, hit))
+            r.status = RequestStatus.RUNNING
+            r.num_computed_tokens = hit
+            scheduled[r] = r.num_tokens - hit
+            running.append(waiting.pop(0))
+        for r, k in scheduled.items():
+            r.num_computed_tokens += k
+        if isinstance(mgr, ArenaKVCacheManager):
+            mgr.step_processed(mgr.take_step())
+    return log
+
+
+def test_a_gdn_prefix_state_is_hit_once_a_step_as_stock(monkeypatch):
+    """Siblings hitting one GDN prefix state are admitted one a step, in the steps stock's
+    manager admits them (issue 45, 12/16 MiB: the arena admitted them together, so a prompt
+    prefilled in another batch than stock's and bf16 GDN gave other tokens): vLLM's align
+    mode defers a second hit of a state in the step its prompt's last chunk runs and in the
+    step another request hitting it is admitted (`_cache_partial_tail_block` at the prompt's
+    last hash-block boundary, stock's 640-token block); the arena, at 32-token pages, keeps
+    that state at stock's block and applies the rule there too
+    (`patches/mamba_same_step_hit`)."""
+    from ulacache_vllm.patches import mamba_same_step_hit
+
+    stock = _sibling_admissions(_gdn_stock(), COARSE)
+    assert stock == [(2, "s0", None), (3, "s0", COARSE), (3, "s1", None), (4, "s1", COARSE),
+                     (4, "s2", None), (5, "s2", COARSE)], stock
+    assert _sibling_admissions(_gdn_arena(), BS) == stock
+    # Without the rule at stock's block the arena admits all three in the first step.
+    monkeypatch.setattr(mamba_same_step_hit, "install", lambda *a, **k: False)
+    assert _sibling_admissions(_gdn_arena(), BS) == [(2, f"s{i}", COARSE) for i in range(3)]
+
+
 def test_new_pages_are_zeroed_only_for_the_kinds_the_layout_zeroes():
     """vLLM's CPU runner zeroes new full-attention blocks only; a sliding kind the layout does
     not zero (`ArenaGroup.zeroed`, false for sliding windows from `plan_arena`: DeepSeek-V4's

@@ -184,6 +184,33 @@ def test_the_running_state_hook_is_vllms_and_a_changed_one_fails_loudly(monkeypa
         hook.check()
 
 
+def test_the_same_step_hit_rule_at_stocks_block_is_vllms_and_a_changed_one_fails_loudly(
+        monkeypatch):
+    """The arena's GDN managers defer a second same-step hit of a prefix state as stock's do
+    at its block (issue 45), repeating vLLM's rule: tied to the sources of the code it
+    repeats and vLLM's version; a manager that is not align mode, or a checkpoint block that
+    is the manager's own block, keeps vLLM's methods."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    from ulacache_vllm.patches import mamba_same_step_hit as hook
+
+    hook.check()
+    mgr = SimpleNamespace(mamba_cache_mode="none", block_size=32)
+    assert not hook.install(mgr, 640) and not hasattr(mgr, "cache_blocks")
+    mgr.mamba_cache_mode = "align"
+    assert not hook.install(mgr, 0) and not hook.install(mgr, 32)
+    assert not hook.install(mgr, 48) and not hasattr(mgr, "cache_blocks")
+
+    def _cache_partial_tail_block(self, request, num_tokens, retention_interval):
+        return None  # another body
+
+    monkeypatch.setattr(MambaManager, "_cache_partial_tail_block", _cache_partial_tail_block)
+    with pytest.raises(VllmHookError, match="_cache_partial_tail_block"):
+        hook.check()
+
+
 def test_an_align_copy_of_a_page_onto_itself_is_dropped():
     """A relocated running state's align copy (its page onto itself) leaves vLLM's copy list;
     the other entries keep their order."""

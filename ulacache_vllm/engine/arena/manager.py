@@ -54,10 +54,12 @@ Prefix caching (vLLM's own hashing, lookup and hit rules, per group as stock):
   is split where stock's is, at stock's coarser block (``prefill_split_block``: no stop at
   the fine 32-token boundaries), and its state stays cached there
   (``pools.keep_state_checkpoints``), so a prompt sharing its prefix with another tail hits
-  where stock's blocks let it (issue 45). Past the prompt (no state is kept there) a decoding
-  request's running state stays in its page when decode crosses a page, as it stays in
-  stock's coarse block (``pools.keep_running_state``): no state page every 32 tokens, whose
-  bytes under pressure came from the prefix cache (issue 45, 12 MiB).
+  where stock's blocks let it (issue 45), one such hit of a state a step as stock admits them
+  (vLLM's same-step-hit rule at stock's block, ``patches/mamba_same_step_hit``). Past the
+  prompt (no state is kept there) a decoding request's running state stays in its page when
+  decode crosses a page, as it stays in stock's coarse block (``pools.keep_running_state``):
+  no state page every 32 tokens, whose bytes under pressure came from the prefix cache
+  (issue 45, 12 MiB).
 """
 from __future__ import annotations
 

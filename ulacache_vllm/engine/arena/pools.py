@@ -296,14 +296,19 @@ def state_checkpoint(num_prompt_tokens: int, tokens: int, drop_eagle_block: bool
 
 def keep_state_checkpoints(managers, tokens: int, drop_eagle_block: bool) -> int:
     """Each "align"-mode GDN/mamba manager also keeps a prompt's state at its coarse
-    checkpoint (``state_checkpoint``). Returns ``tokens``, or 0 where no manager runs
-    "align" mode (nothing to checkpoint)."""
+    checkpoint (``state_checkpoint``), and defers a second same-step hit of that state as
+    stock's manager does at its block (``patches/mamba_same_step_hit``: stock admits one
+    request hitting a prefix state per step, the arena's 32-token boundary rule none).
+    Returns ``tokens``, or 0 where no manager runs "align" mode (nothing to checkpoint)."""
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    from ulacache_vllm.patches import mamba_same_step_hit
 
     found = False
     for mgr in managers:
         if tokens and isinstance(mgr, MambaManager) and mgr.mamba_cache_mode == "align":
             mgr.cache_blocks = _with_checkpoint(mgr.cache_blocks, tokens, drop_eagle_block)
+            mamba_same_step_hit.install(mgr, tokens)
             found = True
     return tokens if found else 0
 
