@@ -374,7 +374,9 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
         last = {r.request_id: n for r, n in h.step(schedule).items()}
         if h.lost:  # the scheduler ends the requests holding lost pages with an error
             stats.lost_pages += len(h.lost)
-            for rid in mgr.lost_block_owners(h.lost, live.values()):
+            # (sorted: a set of str ids iterates in PYTHONHASHSEED's order, and the order of
+            # these frees decides later placements: one seed, one run in every process)
+            for rid in sorted(mgr.lost_block_owners(h.lost, live.values())):
                 end(live[rid], "ended_by_fault")
                 stats.ended_by_faults += 1
             st = mgr._state

@@ -1,6 +1,6 @@
 """The one protocol between the shared glue (connector, scheduler, worker extension, metrics,
-patches) and a product line (today the logical address space for DSA models and the arena for
-hybrid models, each a package of `engine/`).
+patches) and a product line (today the logical address space for DSA models, the arena for
+hybrid models and DeepSeek-V4's line over the arena's parts, each a package of `engine/`).
 
 A line is a `Line` object, one per product package (`engine/<line>/line.py`): what it serves,
 what it refuses, the engine arguments and configuration it sets, its sizing into a layout, its
