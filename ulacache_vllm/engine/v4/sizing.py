@@ -4,8 +4,9 @@ V4 declares seven kinds of cache per model (`../shared/reference/deepseek-v4-not
 the sliding window of every layer (64-token pages), the CSA compressed rows (584 B per 4
 tokens), the CSA indexer keys (132 B per 4 tokens), the HCA rows (584 B per 128 tokens), and
 three fp32 compressor states (4- and 8-token pages). Stock vLLM's hybrid allocator gives every
-block id the bytes of its widest group (93,888 B on the tiny V4, for pages of 1,728 to 37,440
-B); the arena stores each at its own size. Layers are grouped by spec equality, the sliding
+block id the bytes of its widest group (47,808 B on the factory's 3-layer tiny V4, 189,504 B on
+an 8-layer one, for pages of 1,728 to 37,440 B per layer); the arena stores each at its own
+size. Layers are grouped by spec equality, the sliding
 and state kinds in the arena's LOW band, the compressed kinds in its HIGH band, as for any
 hybrid (`arena.sizing.plan_arena`).
 
