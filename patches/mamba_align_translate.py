@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
+
 from ._hook import replace, resolve
 
 HOOK = "mamba_align_translate"
@@ -44,12 +46,11 @@ def collect(orig, copy_bufs, kv_cache_config, mamba_state_copy_funcs, mamba_grou
 def _drop_self_copies(copy_bufs, start: int) -> None:
     """Drop the entries from ``start`` on that copy a range onto itself."""
     src, dst, sizes = copy_bufs.src_ptrs.np, copy_bufs.dst_ptrs.np, copy_bufs.sizes.np
-    end, k = copy_bufs.offset, start
-    for i in range(start, end):
-        if src[i] != dst[i]:
-            if k != i:
-                src[k], dst[k], sizes[k] = src[i], dst[i], sizes[i]
-            k += 1
+    end = copy_bufs.offset
+    keep = np.flatnonzero(src[start:end] != dst[start:end]) + start
+    k = start + len(keep)
+    if k != end:  # (the kept entries move down in order; none is overwritten before read)
+        src[start:k], dst[start:k], sizes[start:k] = src[keep], dst[keep], sizes[keep]
     copy_bufs.offset = k
 
 

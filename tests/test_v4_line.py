@@ -5,8 +5,9 @@ compactions/relayouts every other step) and one stock engine run the same token-
 side by side: distinct prompts over 2048 tokens (the real indexer: top 512 of the compressed
 rows) beside short ones, identical resends and next-turn prompts (prefix hits where vLLM's
 platform has prefix caching on, as on AMX hosts, or asked), a batch of long prompts and
-outputs, the same prompts one at a time through an arena that holds ~1.4 of them (cached
-pages evicted, pages reused at once), aborts mid-decode, `reset_prefix_cache()`.
+outputs, the same prompts one at a time, prompts near `max_model_len` one at a time (also
+through a second arena barely above one such request: cached pages evicted), aborts
+mid-decode, `reset_prefix_cache()`.
 
 Stock V4 on the CPU build is not schedule-invariant: a long request's greedy tokens depend on
 which other requests share its steps (measured: stock with `max_num_seqs=1` and with 4 differ
@@ -23,7 +24,6 @@ line choice and refusals without an engine.
 """
 from __future__ import annotations
 
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -32,14 +32,18 @@ from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, check_aborts
                               run_side_by_side, run_vllm_script)
 
 V4 = "deepseek_v4"
-MAX_MODEL_LEN = 3072  # one prefill chunk on either host kind (no chunking differences)
+# One prefill chunk for every prompt, and the same step budget on either host kind (AMX hosts
+# default to 4096-token chunked steps, others to max(max_model_len, 2048) unchunked).
+MAX_MODEL_LEN = 3072
 
 SCRIPT = r"""
+import random
 import vllm._custom_ops as ops
 from vllm import LLM, SamplingParams
 kw = dict(ARGS["kw"])
 llm = LLM(model=ARGS["model"], dtype="bfloat16", enforce_eager=True,
-          max_model_len=ARGS["max_model_len"], enable_prefix_caching=True, max_num_seqs=4,
+          max_model_len=ARGS["max_model_len"], max_num_batched_tokens=ARGS["max_model_len"],
+          enable_prefix_caching=True, max_num_seqs=4,
           seed=0, disable_log_stats=False, **kw)
 topk_calls = [0]
 topk_op = ops.topk_transform_512_cpu
@@ -65,7 +69,35 @@ def run(name, prompts, out):
     res[name + "_cached"] = [o.num_cached_tokens for o in outs]
     res[name + "_hits"] = metric("vllm:prefix_cache_hits")
 
-P = ARGS["prompts"]
+def _prompts() -> dict:  # (made here: the token lists are too long for ARGS)
+    rng = random.Random(44)
+    ids = lambda n: [rng.randrange(3, 500) for _ in range(n)]
+    long_a, long_b = ids(2400), ids(2150)
+    prime = [long_a, ids(300), long_b, ids(90)]
+    # A conversation's next turn: the whole earlier prompt and a new tail (stock hashes the
+    # window and compressor states where a prompt ends: vLLM's retention rule).
+    variant = [long_a + ids(200), prime[1] + ids(100)]
+    pressure = [ids(2100 + 97 * i) for i in range(4)] + [ids(200)]
+    abort = [ids(30)] * 4 + [ids(400 + 50 * i) for i in range(4)]
+    # Each prefill's compressor states nearly fill an arena sized for one max_model_len
+    # request: the cached pages of the earlier ones make room (on either host kind).
+    tight = [ids(2950), ids(2990), ids(2930), ids(2970)]
+    return dict(prime=prime, variant=variant, pressure=pressure, abort=abort, tight=tight)
+
+P = _prompts()
+def tight():  # prompts near max_model_len, one at a time: the same schedule on every engine
+    for i, p in enumerate(P["tight"]):
+        run(f"tight{i}", [p], ARGS["out"])
+
+if ARGS.get("tight_only"):
+    tight()
+    res["reset_ok"] = llm.reset_prefix_cache()
+    llm.llm_engine.step()  # (in-process core) the empty step that ships the freed figures
+    res["usage_end"] = usage()
+    res["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
+                      if m.name.startswith("vllm:ulacache_")}
+    emit(res)
+    raise SystemExit(0)
 run("prime", P["prime"], ARGS["out"])
 res["topk_calls_prime"] = topk_calls[0]
 run("resend", P["prime"], ARGS["out"])
@@ -74,6 +106,7 @@ res["usage_hits"] = usage()
 run("pressure", P["pressure"], ARGS["pressure_out"])
 for i, p in enumerate(P["pressure"][:3]):  # one at a time: the same schedule on both sides
     run(f"seq{i}", [p], ARGS["out"])
+tight()
 run("after", P["prime"][:2], ARGS["out"])
 res["usage_pressure"] = usage()
 prompts = [{"prompt_token_ids": p} for p in P["abort"]]
@@ -87,27 +120,15 @@ res["usage_end"] = usage()
 res["topk_calls"] = topk_calls[0]
 """ + EMIT_WITH_METRICS
 
-PHASES = ("prime", "resend", "variant", "pressure", "seq0", "seq1", "seq2", "after",
+TIGHT = ("tight0", "tight1", "tight2", "tight3")
+PHASES = ("prime", "resend", "variant", "pressure", "seq0", "seq1", "seq2", *TIGHT, "after",
           "after_reset")
-
-
-def _prompts() -> dict:
-    rng = random.Random(44)
-    ids = lambda n: [rng.randrange(3, 500) for _ in range(n)]
-    long_a, long_b = ids(2400), ids(2150)
-    prime = [long_a, ids(300), long_b, ids(90)]
-    # A conversation's next turn: the whole earlier prompt and a new tail (stock hashes the
-    # window and compressor states where a prompt ends: vLLM's retention rule).
-    variant = [long_a + ids(200), prime[1] + ids(100)]
-    pressure = [ids(2100 + 97 * i) for i in range(4)] + [ids(200)]
-    abort = [ids(30)] * 4 + [ids(400 + 50 * i) for i in range(4)]
-    return dict(prime=prime, variant=variant, pressure=pressure, abort=abort)
 
 
 @pytest.fixture(scope="module")
 def v4_line_runs(tiny_model):
     model = str(tiny_model(V4))
-    base = dict(model=model, max_model_len=MAX_MODEL_LEN, prompts=_prompts(), out=12,
+    base = dict(model=model, max_model_len=MAX_MODEL_LEN, out=12,
                 pressure_out=40)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -121,16 +142,23 @@ def v4_line_runs(tiny_model):
     ula, ref = run_side_by_side(
         call("ulacache", dict(kv_cache_memory_bytes=ULA_BUDGET, ula_arena_force_moves=2)),
         call("vllm", dict(kv_cache_memory_bytes=256 << 20)))
-    return ref, ula
+    # And an arena barely above one max_model_len request (its startup check: ~51 MiB) for
+    # the near-max_model_len prompts alone.
+    base["tight_only"] = True
+    tight, = run_side_by_side(call("ulacache", dict(kv_cache_memory_bytes=TIGHT_BUDGET)))
+    return ref, ula, tight
 
 
 ULA_BUDGET = 72 << 20
+TIGHT_BUDGET = 51 << 20
 
 
 @pytest.mark.engine
 def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
-    ref, ula = v4_line_runs
-    assert ula["prefix_caching"] == ref["prefix_caching"]
+    ref, ula, tight = v4_line_runs
+    assert ula["prefix_caching"] == ref["prefix_caching"] == tight["prefix_caching"]
+    for p in TIGHT:
+        assert tight[p] == ref[p], p
     for p in PHASES:
         assert ula[p] == ref[p], p
     # The real indexer ran (prompts over 4 * index_topk tokens), on both sides alike.
@@ -143,8 +171,9 @@ def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
         assert sum(ula["resend_cached"]) > 0 and ula["variant_cached"][0] > 0, ula
     m = ula["metrics"]
     assert m["vllm:ulacache_arena_bytes_copied"] > 0, m  # the forced moves ran
-    if ula["prefix_caching"]:
-        assert m["vllm:ulacache_arena_cache_evictions"] > 0, m  # room made from cached pages
+    if tight["prefix_caching"]:  # room made from cached pages
+        assert tight["metrics"]["vllm:ulacache_arena_cache_evictions"] > 0, tight["metrics"]
+    assert tight["reset_ok"] and tight["usage_end"]["arena_live_pages"] == 0, tight["usage_end"]
     check_aborts(ref)
     check_aborts(ula, ref)
     assert ula["after_reset_cached"] == [0] == ref["after_reset_cached"]
