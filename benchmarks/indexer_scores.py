@@ -1,10 +1,11 @@
 """The CPU indexer's per-request work, before and after shape-independent scores, side by side.
 
 Times what `cpu_indexer.indexer_forward_cpu` does for one request: read its keys from a paged
-fp8 indexer cache and select the top-k. After: `read_fp8_keys` + `select_topk` (exact float64
-scores on the cache's fp8 keys, `engine/dsa/indexer_scores.py`). Before: the `.float()` read
-and the float32 BLAS product they replaced (`lab/indexer_fp32_blas.py`). Same inputs,
-interleaved repeat by repeat, in one process.
+fp8 indexer cache and select the top-k. After: `read_fp8_keys` + `select_topk` (the whole
+indexer's selection: `indexer_scores.certified_logits`, float32 products in tiles with the keys
+near the k-th score rescored exactly, the exact top-k). Before: the `.float()` read and the
+float32 BLAS product they replaced (`lab/indexer_fp32_blas.py`), whose selection can depend on
+the keys scored beside. Same inputs, interleaved repeat by repeat, in one process.
 Shapes: decode (a few queries over long histories) and prefill chunks, at DeepSeek-V3.2's
 indexer (64 heads of 128) and the tiny test models' (8 heads). Prints median ms and the
 ratio per shape (median over repeats of after/before); writes JSON and Markdown to
@@ -113,7 +114,7 @@ def main(argv=None):
     with open(a.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(a.out + ".md", "w") as f:
-        f.write(f"# Indexer top-k: exact float64 scores vs the float32 BLAS product\n\n"
+        f.write(f"# Indexer top-k: certified float32 (exact selection) vs the float32 BLAS product\n\n"
                 f"`benchmarks/indexer_scores.py`, one process, {repeats} interleaved repeats, "
                 f"{torch.get_num_threads()} threads; host: {res['host']['cpu']} "
                 f"(amx_tile={res['host']['amx_tile']}).\n\n"

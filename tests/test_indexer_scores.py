@@ -4,14 +4,22 @@ TP shard mode's promise (stock TP=P and ulacache TP=P select the same rows) rest
 BLAS product does not keep it (kernels and blocking chosen by shape and CPU), so
 `indexer_scores` computes exactly on the indexer's fp8-grid inputs and in a fixed order on any
 other input; both are checked here over random shapes, keys 1 to a few thousand, heads 1-64.
+The whole indexer's faster route (`certified_logits`: float32 products, the keys near the k-th
+score rescored exactly) must select exactly what the exact scores select: checked on random and
+tie-heavy inputs, and against an injected error as large as its bound allows.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ulacache_vllm.engine.dsa.cpu_indexer import quant_fp8_ue8m0, select_topk
+from ulacache_vllm.engine.dsa import indexer_scores
 from ulacache_vllm.engine.dsa.indexer_scores import (
+    Fp8Keys,
+    certified_logits,
+    error_bound_factor,
     exact_scores,
     fixed_order_scores,
     indexer_logits,
@@ -146,3 +154,79 @@ def test_a_query_whose_prefix_fits_the_topk_selects_it_all_unscored(n, H, L, top
     short = out[~scored]
     assert torch.equal(short, torch.where(torch.arange(topk) <= qpos[~scored].unsqueeze(1),
                                           torch.arange(topk), -1).int())
+
+
+def _selection(logits, L, k):
+    return local_candidates(logits, torch.arange(L), k)[1]
+
+
+def _tie_heavy(g, n, H, L, spread, kind):
+    """kind 0: random; 1: queries <= 0 (most logits exactly 0: ties at the k-th); 2: every key
+    repeated (exact ties between distinct positions)."""
+    q, keys = _fp8_inputs(g, n, H, L, spread)
+    if kind == 1:
+        q = -q.abs()
+        q[:, :, :4] = q[:, :, :4].abs()  # a few positive scores still
+    elif kind == 2:
+        keys = keys[torch.arange(L) // 2 * 2]
+    return q, keys
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 24), H=st.integers(1, 64), L=st.integers(2, 3000),
+       topk=st.integers(1, 600), spread=st.integers(0, 10), kind=st.integers(0, 2),
+       fp8_keys=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_certified_logits_select_exactly_the_exact_top_k(n, H, L, topk, spread, kind, fp8_keys,
+                                                         seed):
+    g = torch.Generator().manual_seed(seed)
+    q, keys = _tie_heavy(g, n, H, L, spread, kind)
+    w = torch.randn(n, H, generator=g)
+    qpos = torch.randint(0, L, (n,), generator=g).sort().values
+    kp = torch.arange(L)
+    if fp8_keys:  # as the cache holds them: codes and one power-of-two scale per key
+        codes, scales = quant_fp8_ue8m0(keys, group=D)
+        keys = Fp8Keys(codes.contiguous().view(torch.uint8), scales.float().reshape(L))
+    exact = indexer_logits(q, w, keys, qpos, kp, exact=True)
+    cert = certified_logits(q, w, keys, qpos, kp, topk)
+    assert cert is not None
+    assert torch.equal(_selection(cert, L, topk), _selection(exact, L, topk))
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(n=st.integers(1, 12), H=st.integers(1, 64), L=st.integers(64, 2000),
+       topk=st.integers(8, 400), kind=st.integers(0, 2), seed=st.integers(0, 2**31 - 1))
+def test_certification_holds_against_an_error_as_large_as_its_bound(n, H, L, topk, kind, seed):
+    """The float32 pass replaced by the exact logits plus noise of up to 0.99 of the bound
+    (the worst a BLAS may do): the selection is still the exact one, and keys were rescored."""
+    g = torch.Generator().manual_seed(seed)
+    q, keys = _tie_heavy(g, n, H, L, 3, kind)
+    w = torch.randn(n, H, generator=g)
+    qpos = torch.arange(L - n, L)
+    kp = torch.arange(L)
+    exact = indexer_logits(q, w, keys, qpos, kp, exact=True)
+    knorm = float(torch.linalg.vector_norm(keys.double(), dim=1).max())
+    wq = (w.double().abs() * torch.linalg.vector_norm(q.double(), dim=-1)).sum(1)
+    bound = error_bound_factor(D, H) * knorm * wq
+    noise = ((torch.rand(n, L, generator=g, dtype=torch.float64) * 2 - 1) * 0.99
+             * bound.unsqueeze(1))
+    noisy = torch.where(exact > float("-inf"), (exact.double() + noise).float(), exact)
+    # float32 rounding of exact + noise may add half an ulp: keep the noise inside the bound
+    noisy = torch.where((noisy.double() - exact.double()).abs() <= bound.unsqueeze(1),
+                        noisy, exact)
+    rescored = []
+    real_exact_keys = indexer_scores._exact_keys
+
+    def fake_tiled(q_, w_, keys_, pos_, kp_, mode):
+        assert mode == "fast"
+        return noisy.clone(), knorm
+
+    def counting_exact_keys(keys_, cols):
+        rescored.append(cols.numel())
+        return real_exact_keys(keys_, cols)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(indexer_scores, "_tiled_logits", fake_tiled)
+        mp.setattr(indexer_scores, "_exact_keys", counting_exact_keys)
+        cert = certified_logits(q, w, keys, qpos, kp, topk)
+    assert torch.equal(_selection(cert, L, topk), _selection(exact, L, topk))
+    assert sum(rescored) > 0  # the straddling keys were scored again

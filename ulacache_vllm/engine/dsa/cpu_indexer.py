@@ -30,9 +30,9 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.mla.indexer import DeepseekV32IndexerBackend
 
 from .indexer_scores import (
-    FP8_TABLE64,
     MAX_EXACT_DIM,
     Fp8Keys,
+    certified_logits,
     fp8_to_float,
     indexer_logits,
     on_fp8_grid,
@@ -151,7 +151,9 @@ def select_topk(
     every causal key, and it is not scored (its candidates' scores read 0; the merge of every
     shard's then selects them all too). The others are scored by `indexer_logits`: exact
     float64 products on the indexer's fp8-grid inputs, fixed-order otherwise, so a key's score
-    has the same bits whatever keys are scored beside it (TP shard mode)."""
+    has the same bits whatever keys are scored beside it (TP shard mode). The whole selection
+    (no ``candidates``) on fp8-grid inputs takes `certified_logits`: float32 products, the
+    straddling keys rescored exactly, the same set."""
     q_fp8 = q.dtype == FP8  # the indexer's own queries: on the fp8 grid by construction
     if isinstance(keys, Fp8Keys):  # the cache's own: on the fp8 grid by construction
         keys_exact = keys.on_grid()
@@ -170,9 +172,13 @@ def select_topk(
     rows = (~short).nonzero().squeeze(1) if n_short else None
     for s in range(0, n - n_short, SCORE_CHUNK):
         r = slice(s, min(n, s + SCORE_CHUNK)) if rows is None else rows[s:s + SCORE_CHUNK]
-        qs = fp8_to_float(q[r], FP8_TABLE64) if q_fp8 else q[r]
+        qs = fp8_to_float(q[r], torch.float64) if q_fp8 else q[r]
         exact = keys_exact and (q_fp8 or on_fp8_grid(qs))
-        logits = indexer_logits(qs, weights[r], keys, positions[r], key_pos, exact)
+        logits = None
+        if exact and not candidates:  # the selection alone: certified float32, same set
+            logits = certified_logits(qs, weights[r], keys, positions[r], key_pos, topk)
+        if logits is None:
+            logits = indexer_logits(qs, weights[r], keys, positions[r], key_pos, exact)
         vals[r], out[r] = local_candidates(logits, key_pos, topk)
     return (vals, out) if candidates else out
 

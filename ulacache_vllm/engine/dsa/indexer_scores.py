@@ -26,9 +26,19 @@ queries and the keys, cheap beside the product. `indexer_logits` is the indexer'
 and keys (a few MiB of product in reused buffers: no full-size float64 copy of the keys or the
 product, no fresh pages per call) rounded, rectified, weighted and summed over heads there
 (elementwise ops and a head tree fixed by H: a tile's bits are the whole's).
+
+`certified_logits` is the whole (unsharded) indexer's faster route to the same selection: a
+float32 BLAS pass, whose error against those exact logits is bounded a priori (any summation
+order, any blocking: ``gamma_D * |q| |k|`` through relu, weight and head tree), then the exact
+float64 product only for the keys whose bound straddles the query's k-th score. Every key it
+does not rescore is certainly in or certainly out of the exact top-k, and every key tied at
+the exact k-th score is rescored, so `topk.local_candidates` selects exactly what it selects
+on `indexer_logits`. Its values are not all exact, so the shard path, whose candidates'
+scores are merged across ranks, keeps `indexer_logits`.
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -44,15 +54,31 @@ FP8_TABLE = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(FP8).float
 FP8_TABLE64 = FP8_TABLE.double()
 
 
-def fp8_to_float(x: torch.Tensor, table: torch.Tensor = FP8_TABLE,
+def _pair_table(table: torch.Tensor) -> torch.Tensor:
+    """[65536, 2]: the two values of a little-endian pair of fp8 codes read as one uint16."""
+    i = torch.arange(1 << 16)
+    return torch.stack([table[i & 0xFF], table[i >> 8]], 1).contiguous()
+
+
+FP8_PAIRS = {torch.float32: _pair_table(FP8_TABLE), torch.float64: _pair_table(FP8_TABLE64)}
+
+
+def fp8_to_float(x: torch.Tensor, dtype: torch.dtype = torch.float32,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp8 e4m3 codes (uint8 or float8 dtype) -> float32 (or ``table``'s dtype) through a
-    256-entry table: exact, and ~3x faster than `.float()` on vLLM's CPU torch."""
+    """fp8 e4m3 codes (uint8 or float8 dtype) -> float32 or float64, exact, through a table
+    lookup on pairs of codes (~3-4x faster than `.float()` on vLLM's CPU torch). ``out``: a
+    buffer of at least ``x.numel()`` elements to write into (fresh pages cost more than the
+    lookup)."""
     codes = x.contiguous().view(torch.uint8)
-    flat = codes.reshape(-1).int()
-    if out is None:
-        return table.index_select(0, flat).view(codes.shape)
-    return torch.index_select(table, 0, flat, out=out.view(-1)).view(codes.shape)
+    n = codes.numel()
+    dst = (torch.empty(n, dtype=dtype) if out is None else out.view(-1)[:n])
+    if n % 2 == 0 and n:
+        idx = codes.reshape(-1).view(torch.uint16).int()
+        torch.index_select(FP8_PAIRS[dtype], 0, idx, out=dst.view(-1, 2))
+    else:
+        table = FP8_TABLE64 if dtype == torch.float64 else FP8_TABLE
+        torch.index_select(table, 0, codes.reshape(-1).int(), out=dst)
+    return dst.view(codes.shape)
 
 
 class Fp8Keys(NamedTuple):
@@ -71,9 +97,13 @@ class Fp8Keys(NamedTuple):
         return self.codes.shape[0]
 
     def on_grid(self) -> bool:
-        """Every scale a finite power of two: the exact path's condition on the keys."""
-        m = torch.frexp(self.scales).mantissa
-        return bool(((m == 0.5) & torch.isfinite(self.scales)).all())
+        """Every scale a positive, finite, normal power of two: the exact path's condition on
+        the keys (the cache's UE8M0 scales are)."""
+        b = self.scales.float().contiguous().view(torch.int32)  # bits: sign, exponent, mantissa
+        if b.numel() == 0:
+            return True
+        lo, hi = torch.aminmax(b)  # > 0: positive, not zero; < inf's bits: finite
+        return bool(lo > 0) and bool(hi < 0x7F800000) and not bool((b & 0x7FFFFF).any())
 
     def dequantized(self) -> torch.Tensor:
         """[L, D] float32 (fp8 values times scales: exact)."""
@@ -133,6 +163,15 @@ def scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return fixed_order_scores(q, keys)
 
 
+def fp32_gemm_is_ieee() -> bool:
+    """torch's float32 matmuls round as IEEE float32 (no TF32 / bf16 inner products), which
+    the error bound of `certified_logits` assumes."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return False
+    mm = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+    return getattr(mm, "fp32_precision", "none") in ("none", "ieee")
+
+
 def head_sum(x: torch.Tensor) -> torch.Tensor:
     """``x [n, H, L] -> [n, L]``, the sum over heads as a pairwise tree whose order depends on
     H alone: elementwise adds, so each key's logit has the same bits however many keys are
@@ -142,6 +181,19 @@ def head_sum(x: torch.Tensor) -> torch.Tensor:
         half = x.shape[1] // 2
         y = x[:, :half] + x[:, half:2 * half]
         x = torch.cat([y, x[:, 2 * half:]], 1) if x.shape[1] % 2 else y
+    return x[:, 0]
+
+
+def head_sum_(x: torch.Tensor) -> torch.Tensor:
+    """`head_sum` in place on a scratch ``x [n, H, L]`` (its contents are consumed): the same
+    tree, the same bits, no temporaries. Returns an [n, L] view into ``x``."""
+    h = x.shape[1]
+    while h > 1:
+        half = h // 2
+        x[:, :half].add_(x[:, half:2 * half])
+        if h % 2:
+            x[:, half].copy_(x[:, 2 * half])
+        h = half + h % 2
     return x[:, 0]
 
 
@@ -155,15 +207,24 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys,
     ``key_positions`` ascending. ``exact``: q and keys are on the fp8 grid (`on_fp8_grid`,
     `Fp8Keys.on_grid`), so each ``q . k`` is the exact float64 product rounded once; otherwise
     the fixed-order path. Then, per element: relu, times the weight (float32), and the head
-    tree (`head_sum`). No step's bits depend on the tile, so none depends on the keys beside.
+    tree (`head_sum`). No step's bits depend on the tile, so none depends on the keys beside."""
+    return _tiled_logits(q, weights, keys, positions, key_positions,
+                         "exact" if exact else "fixed")[0]
+
+
+def _tiled_logits(q, weights, keys, positions, key_positions, mode: str):
+    """`indexer_logits`'s tiles; ``mode``: "exact" (float64 products), "fixed" (fixed-order
+    float32), or "fast" (one float32 BLAS product per tile, any order: approximate), which
+    also returns the largest key 2-norm (float64, rounded up) for `certified_logits`'s bound.
 
     Keys outer, queries inner: a tile of keys is decoded once into a reused buffer, and every
     tile of queries whose last position reaches it is multiplied with it there."""
     n, H, D = q.shape
     L = keys.shape[0]
     out = torch.full((n, L), float("-inf"), dtype=torch.float32)
+    knorm = 0.0 if mode == "fast" else None
     if n == 0 or L == 0:
-        return out
+        return out, knorm
     per = max(1, TILE_ROWS // H)
     rows_max = min(per, n) * H
     tk = TILE_KEYS
@@ -175,37 +236,124 @@ def indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys,
                               right=True).tolist()
     w = weights.float()
     fp8 = isinstance(keys, Fp8Keys)
-    if exact:
-        q_all = q.double().reshape(n * H, D)
-        kbuf = torch.empty(tk * D, dtype=torch.float64)
-        gbuf = torch.empty(rows_max * tk, dtype=torch.float64)
-        sbuf = torch.empty(rows_max * tk, dtype=torch.float32)
-        scales = keys.scales.double() if fp8 else None
+    tiled = mode != "fixed"
+    if tiled:
+        dt = torch.float64 if mode == "exact" else torch.float32
+        q_all = q.to(dt).reshape(n * H, D)
+        kbuf = torch.empty(tk * D, dtype=dt)
+        gbuf = torch.empty(rows_max * tk, dtype=dt)
+        sbuf = torch.empty(rows_max * tk, dtype=torch.float32) if mode == "exact" else None
+        scales = keys.scales.to(dt) if fp8 else None
     else:
         q_all = q.float()
         kf = (keys.dequantized() if fp8 else keys).float()
     for c in range(0, max(lims), tk):
         d = min(max(lims), c + tk)
-        if exact:
+        if tiled:
             if fp8:  # times its power-of-two scale: exact
-                kt = fp8_to_float(keys.codes[c:d], FP8_TABLE64, kbuf[:(d - c) * D])
+                kt = fp8_to_float(keys.codes[c:d], dt, kbuf)
                 kt.mul_(scales[c:d].unsqueeze(1))
             else:
                 kt = kbuf[:(d - c) * D].view(d - c, D).copy_(keys[c:d])
+            if knorm is not None:
+                top = float(torch.linalg.vector_norm(kt, dim=1).amax())
+                knorm = knorm if top <= knorm else top  # NaN propagates
         for (a, b), lim in zip(tiles, lims):
             e = min(d, lim)
             if e <= c:
                 continue
             rows, cols = (b - a) * H, e - c
-            if exact:
+            if mode == "exact":
                 g = torch.mm(q_all[a * H:b * H], kt[:cols].t(),
                              out=gbuf[:rows * cols].view(rows, cols))
                 s = sbuf[:rows * cols].view(rows, cols).copy_(g)  # rounded once
+            elif mode == "fast":
+                s = torch.mm(q_all[a * H:b * H], kt[:cols].t(),
+                             out=gbuf[:rows * cols].view(rows, cols))
             else:
                 s = fixed_order_scores(q_all[a:b], kf[c:e]).reshape(rows, cols)
             s.relu_().mul_(w[a:b].reshape(-1, 1))
-            out[a:b, c:e] = head_sum(s.view(b - a, H, cols))
+            out[a:b, c:e] = head_sum_(s.view(b - a, H, cols))
     for (a, b), lim in zip(tiles, lims):
         out[a:b, :lim].masked_fill_(
             key_positions[:lim].unsqueeze(0) > positions[a:b].unsqueeze(1), float("-inf"))
-    return out
+    if knorm is not None:  # a float32 norm: up by its relative error bound
+        knorm = knorm * (1.0 + (D + 4) * 2.0 ** -24)
+    return out, knorm
+
+
+def _exact_keys(keys, cols: torch.Tensor) -> torch.Tensor:
+    """The keys ``cols`` as float64 [m, D] (exact: fp8 values times power-of-two scales)."""
+    if isinstance(keys, Fp8Keys):
+        return fp8_to_float(keys.codes[cols], torch.float64) * keys.scales[cols].double().unsqueeze(1)
+    return keys[cols].double()
+
+
+def error_bound_factor(D: int, H: int) -> float:
+    """C with ``|fast - exact| <= C * sum_h |w_h| |q_h| * |k|`` for one logit of
+    `_tiled_logits`' "fast" mode against its "exact" mode, twice over for margin.
+
+    One score: the float32 product of D terms in any order (blocked, FMA or not) is within
+    ``gamma_D * sum_d |q_d k_d| <= gamma_D |q| |k|`` of the real dot product, the exact path's
+    within ``u |q| |k|`` (one rounding), ``gamma_n = n u / (1 - n u)``, ``u = 2**-24``. relu is
+    1-Lipschitz; the weight's rounding adds ``u`` to either side and the head tree of depth
+    ``ceil(log2 H)`` ``gamma_depth`` times the sum of magnitudes, on either side."""
+    u = 2.0 ** -24
+    depth = max(1, math.ceil(math.log2(max(H, 1))))
+
+    def gamma(m):
+        return m * u / (1 - m * u)
+
+    one = (gamma(D) + u) * (1 + u) + 2 * u * (1 + gamma(D) + u)
+    tree = 2 * gamma(depth) * (1 + u) * (1 + gamma(D) + u)
+    return 2.0 * (one + tree) * (1 + gamma(depth))
+
+
+# Absolute slack for float32 underflow (flush-to-zero hosts): far below any logit that matters.
+ABS_SLACK = 2.0 ** -100
+
+
+def certified_logits(q: torch.Tensor, weights: torch.Tensor, keys, positions: torch.Tensor,
+                     key_positions: torch.Tensor, topk: int) -> torch.Tensor | None:
+    """[n, L] float32 logits on which `topk.local_candidates(., key_positions, topk)` selects
+    exactly what it selects on ``indexer_logits(..., exact=True)`` (the module docstring):
+    the float32 approximation, with the exact logit for every key whose bound straddles its
+    query's k-th approximate score T (``|approx - T| <= 2b``). Inputs on the fp8 grid; None
+    where float32 GEMMs are not IEEE or the approximation is not finite (the caller then
+    scores exactly).
+
+    Why it is exact: with ``|approx - exact| <= b`` per key, at least k keys have
+    ``exact >= T - b`` and fewer than k have ``exact > T + b``, so the exact k-th score E lies
+    in ``[T - b, T + b]``. A key left above (``approx > T + 2b``) is above E and above every
+    rescored key not in the exact top-k (those read <= E), one left below (``< T - 2b``) is
+    below E; every key tied at E is rescored and ordered by position as in the exact case. So
+    the k best of these logits are the exact k best, though their values are not all exact."""
+    if not fp32_gemm_is_ieee():
+        return None
+    n, H, D = q.shape
+    approx, knorm = _tiled_logits(q, weights, keys, positions, key_positions, "fast")
+    if n == 0 or approx.shape[1] == 0:
+        return approx
+    if not bool(approx.amax() < float("inf")):  # NaN or +inf somewhere
+        return None
+    q64 = q.double()
+    w = weights.float()
+    wq = (w.double().abs() * torch.linalg.vector_norm(q64, dim=-1)).sum(1)  # [n]
+    bound = (error_bound_factor(D, H) * knorm) * wq + ABS_SLACK
+    if not math.isfinite(float(bound.amax())):
+        return None
+    kk = min(topk, approx.shape[1])
+    thr = approx.topk(kk, dim=1, sorted=False).values.amin(1)  # -inf: fewer than kk causal
+    near = (approx - thr.unsqueeze(1)).abs_() <= (2 * bound).float().unsqueeze(1)
+    per = max(1, TILE_ROWS // H)
+    for a in range(0, n, per):
+        b = min(n, a + per)
+        cols = near[a:b].any(0).nonzero().squeeze(1)
+        if cols.numel() == 0:
+            continue
+        g = torch.mm(q64[a:b].reshape(-1, D), _exact_keys(keys, cols).t())
+        s = g.float().relu_().mul_(w[a:b].reshape(-1, 1))  # as `indexer_logits`' exact path
+        exact = head_sum_(s.view(b - a, H, cols.numel()))
+        sub = approx[a:b].index_select(1, cols)
+        approx[a:b, cols] = torch.where(near[a:b].index_select(1, cols), exact, sub)
+    return approx

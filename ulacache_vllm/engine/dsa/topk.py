@@ -23,7 +23,7 @@ def _canonical_idx(scores: torch.Tensor, kk: int) -> torch.Tensor:
     """[n, kk] column indices of the kk best by (score desc, column asc), ascending; m where
     fewer than kk candidates are finite."""
     n, m = scores.shape
-    thr = scores.topk(kk, dim=-1).values[:, -1:]  # the k-th best score (ties: same value)
+    thr = scores.topk(kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # the k-th best
     finite = scores > NEG_INF
     gt = (scores > thr) & finite
     eq = (scores == thr) & finite
