@@ -190,11 +190,11 @@ def head_sum_(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[1]
     while h > 1:
         half = h // 2
-        x[:, :half].add_(x[:, half:2 * half])
+        x.narrow(1, 0, half).add_(x.narrow(1, half, half))
         if h % 2:
-            x[:, half].copy_(x[:, 2 * half])
+            x.select(1, half).copy_(x.select(1, 2 * half))
         h = half + h % 2
-    return x[:, 0]
+    return x.select(1, 0)
 
 
 def indexer_logits(q: torch.Tensor, weights: torch.Tensor, keys,
@@ -229,11 +229,17 @@ def _tiled_logits(q, weights, keys, positions, key_positions, mode: str):
     rows_max = min(per, n) * H
     tk = TILE_KEYS
     tiles = [(a, min(n, a + per)) for a in range(0, n, per)]
-    # A key after a tile's last query is no query's: the causal triangle is skipped.
-    last = positions.new_full((len(tiles) * per,), int(positions.min()))
-    last[:n] = positions
-    lims = torch.searchsorted(key_positions, last.view(len(tiles), per).amax(1),
-                              right=True).tolist()
+    # A key after a tile's last query is no query's: the causal triangle is skipped; a key
+    # at or before its first query's position is every query's (no mask there).
+    if len(tiles) == 1:
+        ends = torch.stack([positions.min(), positions.max()]).view(1, 2)
+    else:
+        padded = positions.new_empty(len(tiles) * per)
+        padded[:n] = positions
+        padded[n:] = positions[-1]
+        ends = torch.stack(torch.aminmax(padded.view(len(tiles), per), dim=1), 1)
+    bounds = torch.searchsorted(key_positions, ends, right=True).tolist()
+    lims = [hi for _, hi in bounds]
     w = weights.float()
     fp8 = isinstance(keys, Fp8Keys)
     tiled = mode != "fixed"
@@ -274,9 +280,10 @@ def _tiled_logits(q, weights, keys, positions, key_positions, mode: str):
                 s = fixed_order_scores(q_all[a:b], kf[c:e]).reshape(rows, cols)
             s.relu_().mul_(w[a:b].reshape(-1, 1))
             out[a:b, c:e] = head_sum_(s.view(b - a, H, cols))
-    for (a, b), lim in zip(tiles, lims):
-        out[a:b, :lim].masked_fill_(
-            key_positions[:lim].unsqueeze(0) > positions[a:b].unsqueeze(1), float("-inf"))
+    for (a, b), (lo, hi) in zip(tiles, bounds):
+        if lo < hi:
+            out[a:b, lo:hi].masked_fill_(key_positions[lo:hi].unsqueeze(0)
+                                         > positions[a:b].unsqueeze(1), float("-inf"))
     if knorm is not None:  # a float32 norm: up by its relative error bound
         knorm = knorm * (1.0 + (D + 4) * 2.0 ** -24)
     return out, knorm
