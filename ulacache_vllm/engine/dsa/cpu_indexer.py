@@ -37,7 +37,13 @@ from .indexer_scores import (
     indexer_logits,
     on_fp8_grid,
 )
-from .topk import local_candidates, merge_candidates, pack_candidates, unpack_candidates
+from .topk import (
+    canonical_topk,
+    local_candidates,
+    merge_candidates,
+    pack_candidates,
+    unpack_candidates,
+)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -179,7 +185,10 @@ def select_topk(
             logits = certified_logits(qs, weights[r], keys, positions[r], key_pos, topk)
         if logits is None:
             logits = indexer_logits(qs, weights[r], keys, positions[r], key_pos, exact)
-        vals[r], out[r] = local_candidates(logits, key_pos, topk)
+        if candidates:
+            vals[r], out[r] = local_candidates(logits, key_pos, topk)
+        else:
+            out[r] = canonical_topk(logits, key_pos, topk)
     return (vals, out) if candidates else out
 
 

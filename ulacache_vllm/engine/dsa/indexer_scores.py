@@ -232,7 +232,7 @@ def _tiled_logits(q, weights, keys, positions, key_positions, mode: str):
     # A key after a tile's last query is no query's: the causal triangle is skipped; a key
     # at or before its first query's position is every query's (no mask there).
     if len(tiles) == 1:
-        ends = torch.stack([positions.min(), positions.max()]).view(1, 2)
+        ends = torch.stack(torch.aminmax(positions)).view(1, 2)
     else:
         padded = positions.new_empty(len(tiles) * per)
         padded[:n] = positions
@@ -250,13 +250,20 @@ def _tiled_logits(q, weights, keys, positions, key_positions, mode: str):
         gbuf = torch.empty(rows_max * tk, dtype=dt)
         sbuf = torch.empty(rows_max * tk, dtype=torch.float32) if mode == "exact" else None
         scales = keys.scales.to(dt) if fp8 else None
+        # the codes as pair-table indices, once per call (`fp8_to_float`'s lookup, per tile)
+        pairs = (keys.codes.contiguous().view(torch.uint16).int()
+                 if fp8 and D % 2 == 0 else None)
     else:
         q_all = q.float()
         kf = (keys.dequantized() if fp8 else keys).float()
     for c in range(0, max(lims), tk):
         d = min(max(lims), c + tk)
         if tiled:
-            if fp8:  # times its power-of-two scale: exact
+            if pairs is not None:  # fp8 values times their power-of-two scale: exact
+                kt = torch.index_select(FP8_PAIRS[dt], 0, pairs[c:d].view(-1),
+                                        out=kbuf[:(d - c) * D].view(-1, 2)).view(d - c, D)
+                kt.mul_(scales[c:d].unsqueeze(1))
+            elif fp8:
                 kt = fp8_to_float(keys.codes[c:d], dt, kbuf)
                 kt.mul_(scales[c:d].unsqueeze(1))
             else:
@@ -341,26 +348,27 @@ def certified_logits(q: torch.Tensor, weights: torch.Tensor, keys, positions: to
     approx, knorm = _tiled_logits(q, weights, keys, positions, key_positions, "fast")
     if n == 0 or approx.shape[1] == 0:
         return approx
-    if not bool(approx.amax() < float("inf")):  # NaN or +inf somewhere
-        return None
     q64 = q.double()
     w = weights.float()
-    wq = (w.double().abs() * torch.linalg.vector_norm(q64, dim=-1)).sum(1)  # [n]
-    bound = (error_bound_factor(D, H) * knorm) * wq + ABS_SLACK
-    if not math.isfinite(float(bound.amax())):
-        return None
+    # twice the bound, per query: 2 * C * max|k| * sum_h |w_h| |q_h|
+    two_b = torch.linalg.vector_norm(q64, dim=-1).mul_(w.abs()).sum(1, keepdim=True)
+    two_b.mul_(2 * error_bound_factor(D, H) * knorm).add_(2 * ABS_SLACK)
+    if not (float(approx.amax()) < math.inf and math.isfinite(float(two_b.amax()))):
+        return None  # NaN or +inf in the approximation, or an infinite bound
     kk = min(topk, approx.shape[1])
-    thr = approx.topk(kk, dim=1, sorted=False).values.amin(1)  # -inf: fewer than kk causal
-    near = (approx - thr.unsqueeze(1)).abs_() <= (2 * bound).float().unsqueeze(1)
+    thr = approx.topk(kk, dim=1, sorted=False).values.amin(1, keepdim=True)  # -inf: < kk causal
+    near = (approx - thr).abs_() <= two_b.float()
     per = max(1, TILE_ROWS // H)
     for a in range(0, n, per):
         b = min(n, a + per)
-        cols = near[a:b].any(0).nonzero().squeeze(1)
+        near_t = near if b - a == n else near[a:b]
+        cols = near_t.any(0).nonzero().squeeze(1)
         if cols.numel() == 0:
             continue
-        g = torch.mm(q64[a:b].reshape(-1, D), _exact_keys(keys, cols).t())
+        qt = q64 if b - a == n else q64[a:b]
+        g = torch.mm(qt.reshape(-1, D), _exact_keys(keys, cols).t())
         s = g.float().relu_().mul_(w[a:b].reshape(-1, 1))  # as `indexer_logits`' exact path
         exact = head_sum_(s.view(b - a, H, cols.numel()))
-        sub = approx[a:b].index_select(1, cols)
-        approx[a:b, cols] = torch.where(near[a:b].index_select(1, cols), exact, sub)
+        at = approx if b - a == n else approx[a:b]
+        at[:, cols] = torch.where(near_t.index_select(1, cols), exact, at.index_select(1, cols))
     return approx

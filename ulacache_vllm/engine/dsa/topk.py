@@ -38,7 +38,17 @@ def canonical_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tor
     """``scores`` [n, m] float (-inf: not a candidate), ``positions`` [n, m] int ascending
     along m (or [m], shared). Returns [n, k] int32: the positions of the k best candidates by
     (score desc, position asc), ascending, -1 padded."""
-    return local_candidates(scores, positions, k)[1]
+    n, m = scores.shape
+    out = torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
+    kk = min(k, m)
+    if kk == 0 or n == 0:
+        return out
+    idx = _canonical_idx(scores, kk)
+    col = idx.clamp(max=m - 1)
+    pos = positions if positions.dim() == 2 else positions.unsqueeze(0).expand(n, m)
+    picked = pos.gather(1, col).to(torch.int32)
+    out[:, :kk] = torch.where(idx < m, picked, torch.full_like(picked, -1))
+    return out
 
 
 def local_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int):
