@@ -49,6 +49,9 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 QUANT_BLOCK = 128
 SCORE_CHUNK = 256
+# (query, head, key) triples below which the exact float64 scores cost what the certified
+# float32 pass and its checks cost (measured: `benchmarks/results/indexer_scores.md`)
+CERTIFIED_ABOVE = 1 << 17
 
 
 def quant_fp8_ue8m0(x: torch.Tensor, group: int = QUANT_BLOCK, eps: float = 1e-10):
@@ -181,7 +184,9 @@ def select_topk(
         qs = fp8_to_float(q[r], torch.float64) if q_fp8 else q[r]
         exact = keys_exact and (q_fp8 or on_fp8_grid(qs))
         logits = None
-        if exact and not candidates:  # the selection alone: certified float32, same set
+        if exact and not candidates and qs.shape[0] * qs.shape[1] * L > CERTIFIED_ABOVE:
+            # the selection alone: certified float32, the same set (below: the exact product
+            # costs no more than the certification's own steps)
             logits = certified_logits(qs, weights[r], keys, positions[r], key_pos, topk)
         if logits is None:
             logits = indexer_logits(qs, weights[r], keys, positions[r], key_pos, exact)
