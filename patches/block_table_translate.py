@@ -5,7 +5,10 @@ Under `--kv-backend ulacache` the product line's worker may commit vLLM's block 
 committing one (vLLM does it before computing slot mappings and building attention and mamba
 metadata) writes their granules (physical page positions) into the table's device tensor
 instead of copying the ids. The worker is found through vLLM's own KV transfer group (the
-ulacache connector); without it, or when the line declines, vLLM's own copy runs.
+ulacache connector); without it, or when the line declines, vLLM's own copy runs. Each
+table carries its KV cache group's index (``ula_group``, set when vLLM's
+`MultiGroupBlockTable` builds its tables in group order), so a line can commit some groups'
+tables and leave others to vLLM (the v4 line's CSA rows: logical block ids).
 """
 from __future__ import annotations
 
@@ -29,6 +32,15 @@ def commit(orig, table, num_reqs: int) -> None:
 
 
 def apply() -> None:
+    _, init = resolve(MODULE, "MultiGroupBlockTable.__init__", HOOK)
+    init = getattr(init, "__ulacache_original__", init)
+
+    def __init__(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        for i, table in enumerate(self.block_tables):
+            table.ula_group = i
+
+    replace(MODULE, "MultiGroupBlockTable.__init__", __init__, HOOK)
     _, orig = resolve(MODULE, "BlockTable.commit_block_table", HOOK)
     orig = getattr(orig, "__ulacache_original__", orig)
 

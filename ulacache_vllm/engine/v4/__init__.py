@@ -1,5 +1,8 @@
 """The DeepSeek-V4 line: compressed sparse attention inside a hybrid cache.
 
-Built from the arena's parts (`engine/arena`): every V4 cache is an arena kind at its natural
-page size (see `sizing.py`); the CSA compressed rows are not tiered to the host yet.
+Built from the two lines' parts: the CSA compressed rows in the logical address space
+(`rows.py`: device and host pools per CSA layer, a `core.mapping.TieredMapping` each, the
+scheduler's logical CSA block pool in `manager.py`, the kernels bound through
+`patches/v4_csa_rows.py`), every other V4 cache an arena kind at its natural page size
+(`sizing.py`, the arena's manager and worker extended in `manager.py` and `worker.py`).
 """

@@ -1,22 +1,24 @@
 """The DeepSeek-V4 line as a `Line`: V4 (`DeepseekV4ForCausalLM`, model type `deepseek_v4`)
-on vLLM's CPU build, its caches in the arena (`sizing.py`). V4.1 (layer-shared KV and top-k,
+on vLLM's CPU build, its CSA rows in the logical address space and its other caches in the
+arena (`sizing.py`). V4.1 (layer-shared KV and top-k,
 ring-buffer states) is refused by name."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..arena.metrics import METRICS
 from ..config import UlaSettings
 from ..dsa.line import is_deepseek_v4
 from ..line import Line, UlaKVCacheConfig
+from .metrics import METRICS
 
 ARCHITECTURE = "DeepseekV4ForCausalLM"  # verified on vLLM's CPU build (the tiny V4)
 
 
 class V4Line(Line):
     name = "v4"
-    serves_text = ("DeepSeek-V4 (DeepseekV4ForCausalLM) with every cache at its natural page "
-                   "size in its arena")
+    serves_text = ("DeepSeek-V4 (DeepseekV4ForCausalLM) with its CSA compressed rows in the "
+                   "logical address space and every other cache at its natural page size in "
+                   "its arena")
     metrics = METRICS
 
     def serves(self, hf_config: Any) -> bool:

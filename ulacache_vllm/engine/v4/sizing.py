@@ -1,4 +1,5 @@
-"""DeepSeek-V4 under ulacache: every cache an arena kind at its natural page size.
+"""DeepSeek-V4 under ulacache: the CSA compressed rows in the logical address space (device
+and host pools, `rows.py`), every other cache an arena kind at its natural page size.
 
 V4 declares seven kinds of cache per model (`../shared/reference/deepseek-v4-notes.md` §1.2):
 the sliding window of every layer (64-token pages), the CSA compressed rows (584 B per 4
@@ -10,6 +11,14 @@ size. Layers are grouped by spec equality, the sliding
 and state kinds in the arena's LOW band, the compressed kinds in its HIGH band, as for any
 hybrid (`arena.sizing.plan_arena`).
 
+The CSA rows (584 B per 4 tokens and CSA layer, ~79 % of a long request's bytes on V4's
+default layer schedule, read sparsely: the top 512 per query) leave the arena: their group's
+block ids are logical blocks of the scheduler's CSA pool, ``(device_rows + host_rows) /
+rows_per_block`` of them, and the device budget holds ``device_rows`` per CSA layer (default:
+one step's new rows plus every running request's top-k) besides the arena. So admission is
+bounded by the arena's bytes per request (indexer keys, HCA rows, window pages, compressor
+states) and by the CSA pool's rows, most of them host memory (`--ula-host-pool-gib`).
+
 Invariant: the indexer's key kernel (`fp8_paged_mqa_logits_cpu`) reads a layer's pages at the
 view's block stride and refuses pages that overlap in the view, so the granule (the arena's
 block stride) is at least one indexer layer page (`INDEXER_CACHE_SUFFIX`); every other V4
@@ -17,12 +26,16 @@ kernel takes pages at any granule.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Callable
 
 from vllm.logger import init_logger
 
-from ..config import KVBackendError, UlaSettings, refuse_context_parallel
+from ..arena.sizing import ArenaLayout
+from ..config import KVBackendError, UlaSettings, refuse_context_parallel, reported_to_front_end
 from ..line import UlaKVCacheConfig
+from .rows import CsaRowsPlan
 
 logger = init_logger("vllm.ulacache")
 
@@ -50,16 +63,139 @@ def stock_requests(orig: Callable, vllm_config: Any, kv_cache_specs: list[dict],
         return None
 
 
+def csa_layers(specs: dict) -> dict:
+    """The CSA compressed-row caches (compress ratio 4, not the indexer's keys) of one worker."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return {n: s for n, s in specs.items() if isinstance(s, MLAAttentionSpec)
+            and s.tokens_per_state == CSA_RATIO and not strided_layer(n)}
+
+
+CSA_RATIO = 4  # tokens per CSA compressed row
+
+
+def plan_csa(vllm_config: Any, csa: dict, group: int, settings: UlaSettings) -> CsaRowsPlan:
+    """The CSA rows' pools: device rows per layer (the setting, or one step's new rows plus
+    every running request's top-k), host rows per layer from ``--ula-host-pool-gib``, and the
+    logical blocks they make (module doc). Refuses a host pool that holds less than one
+    request of ``max_model_len``, naming the size that does."""
+    from ..dsa.sizing import GIB, _layer_index
+
+    specs = set(csa.values())
+    if len(specs) != 1:
+        raise KVBackendError(f"ulacache v4: the CSA layers declare {len(specs)} different cache "
+                             f"specs; the v4 line places one. Use --kv-backend vllm.")
+    spec = specs.pop()
+    names = tuple(sorted(csa, key=_layer_index))
+    rpb = spec.block_size // CSA_RATIO
+    row = spec.real_page_size_bytes // rpb
+    sched, mc = vllm_config.scheduler_config, vllm_config.model_config
+    seqs = max(1, sched.max_num_seqs or 1)
+    topk = int(getattr(mc.hf_text_config, "index_topk", 0) or 0)
+    writes = -(-sched.max_num_batched_tokens // CSA_RATIO) + seqs
+    device_rows = settings.v4_csa_device_rows or writes + seqs * topk
+    if device_rows < writes:
+        raise KVBackendError(
+            f"--ula-v4-csa-device-rows {device_rows} is smaller than one step's new CSA rows "
+            f"({writes}: max_num_batched_tokens {sched.max_num_batched_tokens} / {CSA_RATIO} + "
+            f"max_num_seqs {seqs}). Raise it to at least {writes}, or lower "
+            f"--max-num-batched-tokens.")
+    host_rows = int(settings.host_pool_gib * GIB) // (row * len(names))
+    per_request = -(-mc.max_model_len // spec.block_size) * rpb
+    if host_rows < per_request:
+        need = math.ceil(per_request * row * len(names) / GIB * 1000) / 1000
+        raise KVBackendError(
+            f"ulacache host pool too small: --ula-host-pool-gib {settings.host_pool_gib} holds "
+            f"{host_rows} DeepSeek-V4 CSA rows per layer ({row} B each over {len(names)} CSA "
+            f"layers), fewer than one request of max_model_len={mc.max_model_len} "
+            f"({per_request} rows). Set --ula-host-pool-gib to at least {need} or lower "
+            f"--max-model-len.")
+    num_blocks = (device_rows + host_rows) // rpb + 1  # + vLLM's null block
+    return CsaRowsPlan(group, names, rpb, row, device_rows, host_rows, num_blocks)
+
+
+@dataclasses.dataclass
+class V4Layout(ArenaLayout):
+    """The arena's layout (every V4 cache but the CSA rows) and the CSA rows' plan."""
+
+    csa: CsaRowsPlan | None = None
+
+    def manager_cls(self) -> type:
+        from .manager import V4KVCacheManager
+
+        return V4KVCacheManager
+
+    def build_worker(self, vllm_config, settings, kv_caches: dict):
+        from ..faults import MoveFaults
+        from .worker import V4Worker
+
+        return V4Worker(self, kv_caches, vllm_config, settings, MoveFaults.from_env())
+
+    @property
+    def csa_requests(self) -> int:
+        """Requests of max_model_len the CSA pool holds (device and host rows)."""
+        c = self.csa
+        per = -(-self.max_model_len // (c.rows_per_block * CSA_RATIO))
+        return (c.num_blocks - 1) // max(1, per)
+
+    @property
+    def max_requests(self) -> int:
+        return min(super().max_requests, self.csa_requests)
+
+    def summary(self, max_model_len: int | None = None) -> str:
+        c = self.csa
+        return (f"{super().summary(max_model_len)}; DeepSeek-V4 CSA rows in the logical "
+                f"address space: {len(c.layer_names)} layers x {c.row_bytes} B rows, "
+                f"{c.device_rows} device rows ({c.device_bytes} B) + {c.host_rows} host rows "
+                f"({c.host_bytes} B) per layer, {c.num_blocks - 1} logical blocks of "
+                f"{c.rows_per_block} rows ({self.csa_requests} requests of max_model_len)")
+
+
 def get_kv_cache_configs(orig: Callable, vllm_config: Any, kv_cache_specs: list[dict],
                          available_memory: list[int],
                          settings: UlaSettings) -> list[UlaKVCacheConfig]:
+    """The arena's configs over every cache but the CSA rows, with the CSA group appended
+    (its layers get placeholder views of the shared buffer: the worker binds their pools)."""
+    from vllm.v1.kv_cache_interface import KVCacheGroupSpec, KVCacheTensor
+
     from ..arena import sizing as arena_sizing
 
-    configs = arena_sizing.get_kv_cache_configs(orig, vllm_config, kv_cache_specs,
-                                                available_memory, settings, strided_layer)
     stock = stock_requests(orig, vllm_config, kv_cache_specs, available_memory)
-    for cfg in configs:
-        cfg.layout.stock_requests = stock
+    plans = []
+    with reported_to_front_end():
+        for specs, avail in zip(kv_cache_specs, available_memory):
+            csa = csa_layers(specs)
+            if not csa:
+                raise KVBackendError("ulacache v4: this DeepSeek-V4 model declares no CSA "
+                                     "(compress ratio 4) layer. Use --kv-backend vllm.")
+            rest = {n: s for n, s in specs.items() if n not in csa}
+            probe = plan_csa(vllm_config, csa, 0, settings)
+            layout, grouped = arena_sizing.plan_arena(vllm_config, rest,
+                                                      avail - probe.device_bytes, settings,
+                                                      strided_layer)
+            plan = dataclasses.replace(probe, group=len(grouped))
+            fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(ArenaLayout)}
+            plans.append((V4Layout(**fields, csa=plan), grouped, csa))
+    layout = min((p[0] for p in plans), key=lambda lay: lay.total_bytes)
+    layout.stock_requests = stock
+    retention = vllm_config.cache_config.prefix_cache_retention_interval
+    configs = []
+    for _, grouped, csa in plans:
+        names = list(layout.csa.layer_names)
+        groups = [KVCacheGroupSpec(list(n), s) for n, s in grouped]
+        groups.append(KVCacheGroupSpec(names, csa[names[0]]))
+        tensors = [KVCacheTensor(size=layout.buffer_bytes, layers=list(g.layer_names),
+                                 layer_stride=g.layer_page_bytes, block_stride=layout.alignment,
+                                 offset=0) for g in layout.groups]
+        # Placeholder views (4 bytes apart, vLLM's alignment, from byte 4: no other layer's
+        # base, as vLLM's block zeroer wants; a few KiB of the shared buffer, never read or
+        # written: the worker binds the pools before the first step).
+        tensors.append(KVCacheTensor(size=layout.buffer_bytes, layers=names, layer_stride=4,
+                                     block_stride=4, offset=4))
+        configs.append(UlaKVCacheConfig(num_blocks=layout.num_granules,
+                                        kv_cache_tensors=tensors, kv_cache_groups=groups,
+                                        layout=layout,
+                                        prefix_cache_retention_interval=retention))
     return configs
 
 

@@ -1,0 +1,77 @@
+"""The v4 line's scheduler side: the arena's KV cache manager with DeepSeek-V4's CSA group on
+a logical block pool.
+
+Every V4 cache but the CSA compressed rows is an arena kind (`arena.manager`). The CSA group's
+block ids are logical blocks of their own pool (`dsa.manager.DsaBlockPool`: vLLM's
+`BlockPool` over device + host rows, recording the blocks that die), whose rows the worker
+places (`rows.py`). So admission and every step count both: the arena's bytes for the other
+kinds, the CSA pool's free blocks (device and host tiers together: no request has a device
+quota) for the CSA rows; a CSA demand that does not fit defers the request (vLLM then waits
+or preempts, as for arena bytes). The CSA kind has no arena bytes. Dead CSA blocks travel to
+the worker in the step payload, which frees their rows before the step's forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..arena.manager import ArenaKVCacheManager
+from ..arena.pools import ArenaState, ArenaStepPlan
+from ..dsa.manager import DsaBlockPool
+
+
+@dataclass
+class V4StepPayload:
+    """The arena's step plan and the CSA blocks that died since the last step."""
+
+    plan: ArenaStepPlan
+    csa_dead: list[int]
+
+
+class V4KVCacheManager(ArenaKVCacheManager):
+    def __init__(self, kv_cache_config, *args, **kwargs):
+        super().__init__(kv_cache_config, *args, **kwargs)
+        csa = self.layout.csa
+        self._csa_kind = csa.group + 1  # arena kind indices are group + 1
+        mgr = self.coordinator.single_type_managers[csa.group]
+        arena_pool = mgr.block_pool
+        if arena_pool in self._state.pools:
+            self._state.pools.remove(arena_pool)
+        pool = DsaBlockPool(csa.num_blocks, csa.num_blocks, self.enable_caching,
+                            arena_pool.hash_block_size, arena_pool.enable_kv_cache_events)
+        mgr.block_pool = pool
+        mgr._null_block = pool.null_block
+        self.csa_pool = pool
+        # The CSA kind places no arena bytes (its blocks' hits count none either).
+        page = self.arena.page_bytes
+        while len(page) <= self._csa_kind:
+            page.append(0)
+        pool._kind = self._csa_kind
+
+    def _group_counts(self, request, num_tokens_need_slot: int, total_computed: int,
+                      num_tokens_main_model: int, prefill_end: int, cap: bool,
+                      hits=None) -> dict[int, int]:
+        out = super()._group_counts(request, num_tokens_need_slot, total_computed,
+                                    num_tokens_main_model, prefill_end, cap, hits)
+        n = out.pop(self._csa_kind, 0)
+        if n > self.csa_pool.get_num_free_blocks():
+            out[self._csa_kind] = ArenaState.DEFER  # (reads as a demand no arena fits)
+        return out
+
+    def take_step(self) -> V4StepPayload:
+        dead, self.csa_pool.dead = self.csa_pool.dead, []
+        return V4StepPayload(super().take_step(), dead)
+
+    def step_processed(self, payload: V4StepPayload) -> None:
+        super().step_processed(payload.plan)
+
+    def has_pending_frees(self) -> bool:
+        return super().has_pending_frees() or bool(self.csa_pool.dead)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = super().reset_prefix_cache()
+        return self.csa_pool.reset_prefix_cache() and ok
+
+    def stats(self) -> dict:
+        out = super().stats()
+        out["csa_free_blocks"] = self.csa_pool.get_num_free_blocks()
+        return out

@@ -1,0 +1,76 @@
+"""The v4 line's worker half: the arena's worker for every V4 cache but the CSA rows, and the
+CSA rows' store (`rows.CsaRows`) bound to the CSA layers (`patches.v4_csa_rows.bind`).
+
+Per step: the arena's plan lands before vLLM commits its block tables (`before_step`); the
+CSA group's block table keeps vLLM's logical block ids (its rows are placed by the mapping
+tables, not by granules); before the forward (`begin_step`) the CSA store frees the dead
+blocks' rows, settles the previous step's selections and places this step's writes, read
+from the step's CSA metadata (the slot mapping vLLM computed from the logical block table).
+"""
+from __future__ import annotations
+
+from ..arena.worker import ArenaWorker
+from ..metrics import UlaStats, per_rank_gauges
+from .rows import CsaRows
+
+
+class V4Worker(ArenaWorker):
+    def __init__(self, layout, kv_caches: dict, vllm_config, settings, faults=None) -> None:
+        from ulacache_vllm.patches.v4_csa_rows import bind
+
+        csa = layout.csa
+        arena_caches = {n: t for n, t in kv_caches.items() if n not in csa.layer_names}
+        super().__init__(layout, arena_caches, faults)
+        self.csa = CsaRows(csa, settings.lru, settings.promote_after)
+        self._ctx = vllm_config.compilation_config.static_forward_context
+        self._bind = bind
+        self._bound = False  # at the first step: vLLM's init checks the views it made
+        self._csa_name = csa.layer_names[0]
+        self._csa_sent: dict = {}
+
+    def before_step(self, payload) -> None:
+        if not self._bound:
+            for name, rows in self.csa.layers.items():
+                self._bind(self._ctx[name], rows)
+            self._bound = True
+        self._dead = payload.csa_dead
+        super().before_step(payload.plan)
+
+    def commit_block_table(self, block_table, num_reqs: int) -> bool:
+        if getattr(block_table, "ula_group", None) == self.layout.csa.group:
+            return False  # logical block ids: vLLM's own copy
+        return super().commit_block_table(block_table, num_reqs)
+
+    def begin_step(self, payload, forward_context) -> None:
+        md = forward_context.attn_metadata
+        slots = None
+        if isinstance(md, dict) and self._csa_name in md:
+            slots = md[self._csa_name].slot_mapping
+        dead, self._dead = getattr(self, "_dead", []), []
+        self.csa.begin(dead, slots)
+
+    def stats(self, rank: int):
+        base = super().stats(rank)
+        c = self.csa.counters()
+        counters = {f"v4_csa_{k}": c[k] for k in ("demotions", "promotions", "assigned",
+                                                   "freed", "settle_overflows")}
+        delta = {k: v - self._csa_sent.get(k, 0) for k, v in counters.items()
+                 if v != self._csa_sent.get(k, 0)}
+        gauges = {"v4_csa_device_rows_used": c["device_used"],
+                  "v4_csa_host_rows_used": c["host_used"]}
+        if not delta and gauges == self._csa_sent.get("gauges"):
+            return base
+        self._csa_sent = {**counters, "gauges": gauges}
+        data = dict(base.data) if base is not None else {}
+        data.update(delta)
+        data.update(per_rank_gauges(gauges, rank))
+        return UlaStats(data=data)
+
+    def usage(self) -> dict:
+        out = super().usage()
+        p = self.layout.csa
+        out["csa"] = {"layers": len(p.layer_names), "row_bytes": p.row_bytes,
+                      "device_rows": p.device_rows, "host_rows": p.host_rows,
+                      "logical_blocks": p.num_blocks, "steps": self.csa.steps,
+                      **self.csa.counters()}
+        return out
