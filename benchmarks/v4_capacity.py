@@ -6,11 +6,15 @@ own subprocess (this script re-invoked with ``--worker``, engine core in-process
 reads the scheduler). A batch of long requests (random token ids over 2048 tokens, so the
 real indexer selects the top 512 compressed rows) is submitted at once; per step the worker
 records the running and waiting requests, and the KV bytes in use (stock: blocks in use x its
-block stride, the widest group's page; ulacache: the arena's used bytes).
+block stride, the widest group's page; ulacache: the arena's used bytes: the CSA compressed
+rows live in their own device + host pools, the logical address space, and are not counted
+there; their device pool is, in the bound below).
 
 Printed side by side, from one invocation: peak and mean running requests, preemptions, the
 KV bytes one running request holds in decode (median over decode-only steps of bytes in use /
-running), wall time and output tokens/s, and whether the greedy tokens are identical. Where the
+running), wall time and output tokens/s, whether the greedy tokens are identical, and
+ulacache's peak against the physical bound (the KV budget less the CSA device rows and the
+null page, over one decoding request's device bytes at natural page sizes). Where the
 figure comes from: stock pads every page of every group to its widest group's (`kv cache group
 sizes` in its log); the arena keeps each at its own size (the ulacache startup line).
 
@@ -77,7 +81,18 @@ def _worker(cfg: dict) -> dict:
     preempt = sum(getattr(m, "value", 0) for m in llm.get_metrics()
                   if m.name == "vllm:num_preemptions")
     decode = [b / r for r, _, b, p in steps if r and not p]
-    return dict(backend=cfg["backend"], steps=len(steps), wall_s=wall,
+    extra = {}
+    if ula and getattr(sched.kv_cache_manager.layout, "csa", None) is not None:
+        lay = sched.kv_cache_manager.layout
+        extra["csa"] = llm.collective_rpc("ulacache_usage")[0]["csa"]
+        extra["csa_device_bytes"] = lay.csa.device_bytes
+        extra["null_page_bytes"] = lay.null_page_bytes
+        if decode:  # the physical bound: the budget less the CSA device rows and the null
+            # page, over one decoding request's device bytes (its pages at natural size: the
+            # window, the compressor states, the indexer keys, the HCA rows; no CSA row)
+            extra["bound_running"] = ((cfg["kv_bytes"] - lay.csa.device_bytes
+                                       - lay.null_page_bytes) / statistics.median(decode))
+    return dict(backend=cfg["backend"], steps=len(steps), wall_s=wall, **extra,
                 peak_running=max(r for r, *_ in steps),
                 mean_running=statistics.mean(r for r, *_ in steps),
                 preemptions=preempt,
@@ -159,6 +174,14 @@ def main() -> None:
         ratio = f"{b / a:.2f}x" if a else "-"
         print(f"{label:40s} {fmt.format(a):>14s} {fmt.format(b):>14s} {ratio:>8s}")
     print(f"greedy tokens identical: {same}; stock block stride {s['block_bytes']:,} B")
+    if "bound_running" in u:
+        c = u["csa"]
+        print(f"physical bound (budget less the CSA device rows and the null page, over one "
+              f"decoding request's device bytes): {u['bound_running']:.1f} running requests; "
+              f"ulacache's peak is {u['peak_running'] / u['bound_running']:.2f} of it")
+        print(f"CSA rows: {c['device_rows']} device rows per layer ({u['csa_device_bytes']:,} B "
+              f"in all), demotions {c['demotions']}, promotions {c['promotions']}, settle "
+              f"overflows {c['settle_overflows']}")
     out = RESULTS / f"v4_capacity{args.tag}.json"
     for r in res.values():
         r.pop("tokens")

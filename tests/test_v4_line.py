@@ -140,17 +140,24 @@ def v4_line_runs(tiny_model):
     # states: ~51 MiB), admitting the batches stock admits; compactions/relayouts forced every
     # other step. Stock: room.
     ula, ref = run_side_by_side(
-        call("ulacache", dict(kv_cache_memory_bytes=ULA_BUDGET, ula_arena_force_moves=2)),
+        call("ulacache", dict(kv_cache_memory_bytes=ULA_BUDGET, ula_arena_force_moves=2,
+                              ula_v4_csa_device_rows=CSA_DEVICE_ROWS)),
         call("vllm", dict(kv_cache_memory_bytes=256 << 20)))
     # And an arena barely above one max_model_len request (its startup check: ~51 MiB) for
     # the near-max_model_len prompts alone.
     base["tight_only"] = True
-    tight, = run_side_by_side(call("ulacache", dict(kv_cache_memory_bytes=TIGHT_BUDGET)))
+    tight, = run_side_by_side(call("ulacache", dict(kv_cache_memory_bytes=TIGHT_BUDGET,
+                                                    ula_v4_csa_device_rows=CSA_DEVICE_ROWS)))
     return ref, ula, tight
 
 
 ULA_BUDGET = 72 << 20
-TIGHT_BUDGET = 51 << 20
+# CSA rows on the device per layer: one step's new rows (3072 / 4 + 4) and little more, so the
+# long prompts' rows are demoted to the host pool and the decodes' reads promote some back.
+CSA_DEVICE_ROWS = 900
+# One max_model_len request's arena (its startup check: ~52.9 MB with the null page) and the
+# CSA device rows (900 x 584 B): cached pages are evicted to make room.
+TIGHT_BUDGET = 53_500_000
 
 
 @pytest.mark.engine
@@ -171,6 +178,12 @@ def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
         assert sum(ula["resend_cached"]) > 0 and ula["variant_cached"][0] > 0, ula
     m = ula["metrics"]
     assert m["vllm:ulacache_arena_bytes_copied"] > 0, m  # the forced moves ran
+    # The CSA rows' tiers ran: rows demoted to the host and promoted back, under pressure.
+    csa = ula["usage_pressure"]["csa"]
+    assert csa["device_rows"] == CSA_DEVICE_ROWS and csa["host_used"] > 0, csa
+    assert csa["demotions"] > 0 and csa["promotions"] > 0, csa
+    assert m["vllm:ulacache_v4_csa_demotions"] > 0, m
+    assert m["vllm:ulacache_v4_csa_promotions"] > 0, m
     if tight["prefix_caching"]:  # room made from cached pages
         assert tight["metrics"]["vllm:ulacache_arena_cache_evictions"] > 0, tight["metrics"]
     assert tight["reset_ok"] and tight["usage_end"]["arena_live_pages"] == 0, tight["usage_end"]
@@ -181,6 +194,9 @@ def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
     assert u["arena_used_bytes"] == 0 and u["arena_live_pages"] == 0, u
     assert u["arena_withheld_bytes"] == 0, u
     assert u["arena_free_bytes"] + u["kinds_null_bytes"] == u["arena_total_bytes"], u
+    # Every CSA row went with its logical block (nothing left in either tier).
+    for run_ in (u, tight["usage_end"]):
+        assert run_["csa"]["device_used"] == 0 and run_["csa"]["host_used"] == 0, run_["csa"]
 
 
 # ------------------------------------------------------------------ the line, no engine

@@ -109,8 +109,9 @@ class UlaSettings:
     `LLM(ula_*=...)` / `EngineArgs(ula_*=...)` keywords, coercion and the README's table."""
 
     host_pool_gib: float = _setting(
-        4.0, "gib", "host-memory pool for sparse-MLA rows, in GiB (default 4). Must hold one "
-        "request of `max_model_len`; startup fails with the numbers otherwise.", metavar="G")
+        4.0, "gib", "host-memory pool for sparse-MLA rows (DSA models) and DeepSeek-V4's CSA "
+        "compressed rows, in GiB (default 4). Must hold one request of `max_model_len`; startup "
+        "fails with the numbers otherwise.", metavar="G")
     lru: str = _setting(
         "pblru", "choice", "device-pool victim policy: `pblru` (default, round-label PB-LRU) "
         "or `exact_ts` (an exact LRU, timestamp scan). The benchmarks' other baselines live "

@@ -68,8 +68,13 @@ class V4KVCacheManager(ArenaKVCacheManager):
         return super().has_pending_frees() or bool(self.csa_pool.dead)
 
     def reset_prefix_cache(self) -> bool:
-        ok = super().reset_prefix_cache()
-        return self.csa_pool.reset_prefix_cache() and ok
+        cached = self.csa_pool.cached_free_blocks()  # (their rows die with the cache)
+        if not super().reset_prefix_cache():
+            return False
+        ok = self.csa_pool.reset_prefix_cache()
+        if ok:
+            self.csa_pool.dead.extend(cached)
+        return ok
 
     def stats(self) -> dict:
         out = super().stats()

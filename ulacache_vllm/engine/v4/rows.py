@@ -153,13 +153,19 @@ class CsaRows:
         self.settle_overflows = 0
         self.steps = 0
 
-    def begin(self, dead_blocks, slot_mapping: torch.Tensor | None) -> None:
-        """Outside the forward (module doc): frees, settle, round, this step's writes."""
-        self.steps += 1
-        dead = torch.as_tensor(list(dead_blocks), dtype=torch.int64) if dead_blocks else None
-        for rows in self.layers.values():
-            if dead is not None:
+    def free(self, dead_blocks) -> None:
+        """The dead logical blocks' rows leave every layer's tables (first thing of a step,
+        also of a step with no forward)."""
+        if dead_blocks:
+            dead = torch.as_tensor(list(dead_blocks), dtype=torch.int64)
+            for rows in self.layers.values():
                 rows.free_blocks(dead)
+
+    def begin(self, slot_mapping: torch.Tensor | None) -> None:
+        """Outside the forward, after `free` (module doc): settle, round, this step's
+        writes."""
+        self.steps += 1
+        for rows in self.layers.values():
             if not rows.settle():
                 self.settle_overflows += 1
             rows.mapping.advance_round()

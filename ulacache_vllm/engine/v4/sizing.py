@@ -114,6 +114,23 @@ def plan_csa(vllm_config: Any, csa: dict, group: int, settings: UlaSettings) -> 
     return CsaRowsPlan(group, names, rpb, row, device_rows, host_rows, num_blocks)
 
 
+def _too_small(vllm_config: Any, rest: dict, avail: int, csa: CsaRowsPlan,
+               settings: UlaSettings) -> str:
+    """The startup error of a KV budget that cannot hold the CSA device rows and an arena
+    for one request of max_model_len, with the budget that does."""
+    from ..arena import sizing as arena_sizing
+
+    probe, _ = arena_sizing.plan_arena(vllm_config, rest, 1 << 40, settings, strided_layer)
+    page = -(-max(g.page_bytes for g in probe.groups) // probe.alignment) * probe.alignment
+    arena = probe.request_bytes() + probe.null_page_bytes + page + probe.alignment
+    return (f"ulacache v4: the KV budget of {avail} bytes must hold the CSA device rows "
+            f"({csa.device_rows} rows x {csa.row_bytes} B x {len(csa.layer_names)} layers = "
+            f"{csa.device_bytes} bytes, --ula-v4-csa-device-rows) and an arena for one request "
+            f"of max_model_len={probe.max_model_len} ({arena} bytes with its null page). Raise "
+            f"the KV budget (--kv-cache-memory-bytes / VLLM_CPU_KVCACHE_SPACE) to at least "
+            f"{arena + csa.device_bytes} bytes, or lower --max-model-len.")
+
+
 @dataclasses.dataclass
 class V4Layout(ArenaLayout):
     """The arena's layout (every V4 cache but the CSA rows) and the CSA rows' plan."""
@@ -170,9 +187,13 @@ def get_kv_cache_configs(orig: Callable, vllm_config: Any, kv_cache_specs: list[
                                      "(compress ratio 4) layer. Use --kv-backend vllm.")
             rest = {n: s for n, s in specs.items() if n not in csa}
             probe = plan_csa(vllm_config, csa, 0, settings)
-            layout, grouped = arena_sizing.plan_arena(vllm_config, rest,
-                                                      avail - probe.device_bytes, settings,
-                                                      strided_layer)
+            try:
+                layout, grouped = arena_sizing.plan_arena(vllm_config, rest,
+                                                          avail - probe.device_bytes, settings,
+                                                          strided_layer)
+            except KVBackendError:
+                raise KVBackendError(_too_small(vllm_config, rest, avail, probe, settings)) \
+                    from None
             plan = dataclasses.replace(probe, group=len(grouped))
             fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(ArenaLayout)}
             plans.append((V4Layout(**fields, csa=plan), grouped, csa))

@@ -3,9 +3,10 @@ CSA rows' store (`rows.CsaRows`) bound to the CSA layers (`patches.v4_csa_rows.b
 
 Per step: the arena's plan lands before vLLM commits its block tables (`before_step`); the
 CSA group's block table keeps vLLM's logical block ids (its rows are placed by the mapping
-tables, not by granules); before the forward (`begin_step`) the CSA store frees the dead
-blocks' rows, settles the previous step's selections and places this step's writes, read
-from the step's CSA metadata (the slot mapping vLLM computed from the logical block table).
+tables, not by granules) and the dead CSA blocks' rows are freed; before the forward
+(`begin_step`) the CSA store settles the previous step's selections and places this step's
+writes, read from the step's CSA metadata (the slot mapping vLLM computed from the logical
+block table).
 """
 from __future__ import annotations
 
@@ -27,14 +28,22 @@ class V4Worker(ArenaWorker):
         self._bound = False  # at the first step: vLLM's init checks the views it made
         self._csa_name = csa.layer_names[0]
         self._csa_sent: dict = {}
+        self._freed = None  # the last payload whose dead blocks were freed
 
     def before_step(self, payload) -> None:
         if not self._bound:
             for name, rows in self.csa.layers.items():
                 self._bind(self._ctx[name], rows)
             self._bound = True
-        self._dead = payload.csa_dead
+        self._free(payload)
         super().before_step(payload.plan)
+
+    def _free(self, payload) -> None:
+        """The payload's dead CSA blocks' rows, freed once (a step without a forward reaches
+        only `begin_step`)."""
+        if payload is not self._freed:
+            self._freed = payload
+            self.csa.free(payload.csa_dead)
 
     def commit_block_table(self, block_table, num_reqs: int) -> bool:
         if getattr(block_table, "ula_group", None) == self.layout.csa.group:
@@ -42,12 +51,12 @@ class V4Worker(ArenaWorker):
         return super().commit_block_table(block_table, num_reqs)
 
     def begin_step(self, payload, forward_context) -> None:
+        self._free(payload)
         md = forward_context.attn_metadata
         slots = None
         if isinstance(md, dict) and self._csa_name in md:
             slots = md[self._csa_name].slot_mapping
-        dead, self._dead = getattr(self, "_dead", []), []
-        self.csa.begin(dead, slots)
+        self.csa.begin(slots)
 
     def stats(self, rank: int):
         base = super().stats(rank)
