@@ -4,6 +4,8 @@ concurrency point, `/metrics` scraped during each point.
 Configurations (side by side in one run): stock vLLM with device KV budget D; stock with D + H
 on the device (the bound); ulacache with D on the device and H in the host pool; with
 ``--tp P`` each at tensor-parallel size P, ulacache in both TP modes (replicate, shard).
+``--v4``: the same three on the tiny DeepSeek-V4 (the host pool holds its CSA rows);
+``--hybrid``: stock, stock with 32-token blocks and the arena at one budget D.
 Each point runs `vllm bench serve` (random dataset, fixed input/output lengths,
 ``--ignore-eos``, ``--max-concurrency c``, ``--percentile-metrics ttft,tpot,itl,e2el``,
 ``--save-result``) while a thread scrapes the server's `/metrics` (running requests,
@@ -195,6 +197,16 @@ def configurations(a) -> list[tuple[str, list[str]]]:
     return [(n, [a.model_path] + args + common) for n, args in out]
 
 
+def _v4_model() -> str:
+    """The tiny DeepSeek-V4 of the model factory (built under models_cache/ if absent)."""
+    from ulacache_vllm.models import build_model
+
+    path = Path(__file__).resolve().parents[1] / "models_cache" / "bench-deepseek-v4"
+    if not (path / "config.json").exists():
+        build_model("deepseek_v4", path)
+    return str(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -202,6 +214,9 @@ def main() -> None:
     ap.add_argument("--hybrid", choices=("qwen3_next", "gpt_oss"), default=None,
                     help="sweep a tiny hybrid model instead (stock, stock --block-size 32, "
                          "the ulacache arena at one KV budget --device-bytes)")
+    ap.add_argument("--v4", action="store_true",
+                    help="sweep the tiny DeepSeek-V4 (stock with D, stock with D + H, the v4 "
+                         "line with D on the device and its CSA rows' host pool H)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device-bytes", type=int, default=12_000_000, help="D: device KV budget")
     ap.add_argument("--host-bytes", type=int, default=24_000_000, help="H: host pool")
@@ -229,6 +244,13 @@ def main() -> None:
         a.dtype = MODELS[a.hybrid]["dtype"]
         if a.device_bytes == ap.get_default("device_bytes"):
             a.device_bytes = 64 << 20
+    if a.v4:
+        if a.hybrid or a.tp > 1:
+            ap.error("--v4 runs alone, at --tp 1 (the v4 line refuses tensor parallelism)")
+        a.model = a.model or _v4_model()
+        a.dtype = "bfloat16"  # (V4's CPU kernels take bfloat16 only)
+        if a.device_bytes == ap.get_default("device_bytes"):
+            a.device_bytes = 96 << 20
     if a.model is None:
         from capacity import _build_default_model
 
@@ -270,7 +292,8 @@ def main() -> None:
               f"{p['median_tpot_ms'] or 0:>9.2f} {p['p99_tpot_ms'] or 0:>9.2f} "
               f"{p['median_ttft_ms'] or 0:>9.1f} {m['vllm:num_requests_running']:>11.0f} "
               f"{m['vllm:num_preemptions_total']:>8.0f}")
-    stem = "sweep" + (f"_{a.hybrid}" if a.hybrid else "") + (f"_tp{a.tp}" if a.tp > 1 else "")
+    stem = ("sweep" + (f"_{a.hybrid}" if a.hybrid else "") + ("_v4" if a.v4 else "")
+            + (f"_tp{a.tp}" if a.tp > 1 else ""))
     out = Path(a.out) / (stem + ("_quick" if a.quick else ""))
     out.parent.mkdir(parents=True, exist_ok=True)
     args = {k: v for k, v in vars(a).items() if k != "model_path"}

@@ -615,3 +615,6 @@ def test_vllm_serve_serves_v4_with_either_backend(v4_run, v4_prompts, tiny_model
     want = [*v4_run["short"]["tokens"], v4_run["long"]["tokens"][0]]
     assert got["vllm"] == want and got["ulacache"] == want
     assert "vllm:ulacache_arena_used_bytes" in series and len(series) >= 10, series
+    # The CSA rows' tiers (the long prompt's rows were placed on the device pool).
+    assert "vllm:ulacache_v4_csa_assigned_total" in series, series
+    assert "vllm:ulacache_v4_csa_device_rows_used" in series, series

@@ -1,6 +1,8 @@
 """`--kv-backend ulacache` for DeepSeek-V4 (issue 44): the V4 line against stock V4.
 
-One ulacache engine (every V4 cache an arena kind at its natural page size, forced
+One ulacache engine (the CSA compressed rows in the logical address space with a device pool
+of 900 rows per layer, so long prompts' rows are demoted to the host pool and decodes promote
+some back; every other V4 cache an arena kind at its natural page size, forced
 compactions/relayouts every other step) and one stock engine run the same token-id prompts,
 side by side: distinct prompts over 2048 tokens (the real indexer: top 512 of the compressed
 rows) beside short ones, identical resends and next-turn prompts (prefix hits where vLLM's
@@ -17,10 +19,12 @@ So parity is asserted where both sides schedule alike: the batched phases at a b
 admits what stock admits, the pressure on memory one request at a time. Preemption changes the
 schedule and is not compared here.
 
-Asserted: token-exact greedy output in every phase; the indexer's top-k ran; hits > 0 and at
-least stock's (with prefix caching on); the forced moves copied pages and the arena evicted
-cached pages; aborts drop their requests; at the end only the null page is live. Plus the
-line choice and refusals without an engine.
+Asserted: token-exact greedy output in every phase; the indexer's top-k ran; CSA rows demoted
+and promoted (counters and their `vllm:ulacache_v4_csa_*` series > 0); hits > 0 and at least
+stock's (with prefix caching on); the forced moves copied pages and the arena evicted cached
+pages; aborts drop their requests; at the end only the null page is live and no CSA row is
+left in either tier. Plus, without an engine, the line choice, refusals, and the CSA pools'
+sizing and its startup errors.
 """
 from __future__ import annotations
 
@@ -253,3 +257,52 @@ def test_v4_refusals_name_the_fix(what, change, needle):
     with pytest.raises(KVBackendError, match=needle) as e:
         prepare(cfg, UlaSettings())
     assert "--kv-backend vllm" in str(e.value) or "Drop" in str(e.value)
+
+
+def _csa_spec():
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8,
+                            tokens_per_state=4, state_content_bytes=584,
+                            model_version="deepseek_v4", cache_dtype_str="fp8_ds_mla",
+                            alignment=576)
+
+
+def _cfg(max_model_len, batch=3072, seqs=4):
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(max_num_seqs=seqs, max_num_batched_tokens=batch),
+        model_config=SimpleNamespace(max_model_len=max_model_len,
+                                     hf_text_config=SimpleNamespace(index_topk=512)))
+
+
+def test_csa_rows_are_sized_from_the_step_and_the_host_pool():
+    from ulacache_vllm.engine.config import UlaSettings
+    from ulacache_vllm.engine.v4.sizing import csa_layers, plan_csa
+
+    spec = _csa_spec()
+    specs = {"model.layers.1.attn": spec, "model.layers.3.attn": spec,
+             "model.layers.1.attn.indexer.k_cache": spec}  # (an indexer cache: not a CSA one)
+    csa = csa_layers(specs)
+    assert sorted(csa) == ["model.layers.1.attn", "model.layers.3.attn"]
+    p = plan_csa(_cfg(65536), csa, 5, UlaSettings(host_pool_gib=1.0))
+    assert (p.rows_per_block, p.row_bytes, p.group) == (64, 584, 5)
+    assert p.device_rows == 3072 // 4 + 4 + 4 * 512  # one step's rows + every top-k
+    assert p.host_rows == (1 << 30) // (584 * 2)
+    assert p.num_blocks == (p.device_rows + p.host_rows) // 64 + 1
+    assert plan_csa(_cfg(65536), csa, 5, UlaSettings(v4_csa_device_rows=800)).device_rows == 800
+
+
+def test_a_host_pool_or_device_pool_too_small_is_refused_with_the_size_that_fits():
+    from ulacache_vllm.engine.config import KVBackendError, UlaSettings
+    from ulacache_vllm.engine.v4.sizing import plan_csa
+
+    csa = {"model.layers.1.attn": _csa_spec(), "model.layers.3.attn": _csa_spec()}
+    with pytest.raises(KVBackendError, match=r"host pool too small.*65536 \(16384 rows\).*"
+                                             r"at least 0\.018"):
+        plan_csa(_cfg(65536), csa, 5, UlaSettings(host_pool_gib=0.01))
+    p = plan_csa(_cfg(65536), csa, 5, UlaSettings(host_pool_gib=0.018))  # the size it named
+    assert p.host_rows >= 16384
+    with pytest.raises(KVBackendError, match=r"smaller than one step's new CSA rows \(772.*"
+                                             r"at least 772"):
+        plan_csa(_cfg(65536), csa, 5, UlaSettings(v4_csa_device_rows=700))

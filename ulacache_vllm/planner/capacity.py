@@ -10,9 +10,9 @@ per-rank layer specs each engine would build, the budget). A vLLM block pool's n
 the arena's null page are never counted as capacity. DSA plans deploy the same GPUs twice: as
 the cluster's TP-P engines and as DP engines of TP 1 (`dp_plan`); multiples are requests that
 fit, taken against the vLLM row holding the most (`Plan.anchor_key`) and against stock.
-DeepSeek-V4 is the exception (`v4.py`): no engine sizing exists for its planned line yet, so
-its figures are the planner's arithmetic, compared with vLLM's own functions and the engine's
-`plan_arena` before they are printed.
+DeepSeek-V4 is the exception (`v4.py`): its figures are the planner's arithmetic for the v4
+line's design (the CSA rows on the host tier, the rest at natural page sizes), compared with
+vLLM's own functions and the engine's `plan_arena` before they are printed.
 """
 from __future__ import annotations
 
