@@ -47,7 +47,9 @@ def _worker(cfg: dict) -> dict:
     llm = LLM(model=cfg["model"], dtype="bfloat16", enforce_eager=True, seed=0,
               max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
               kv_cache_memory_bytes=cfg["kv_bytes"], kv_backend=cfg["backend"],
-              enable_prefix_caching=False, disable_log_stats=False)
+              enable_prefix_caching=False, disable_log_stats=False,
+              **({"ula_v4_csa_device_rows": cfg["csa_device_rows"]}
+                 if cfg["backend"] == "ulacache" and cfg.get("csa_device_rows") else {}))
     eng = llm.llm_engine
     core = eng.engine_core.engine_core
     sched = core.scheduler
@@ -130,6 +132,8 @@ def main() -> None:
     ap.add_argument("--output-tokens", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=3072)
     ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--csa-device-rows", type=int, default=0,
+                    help="ulacache: --ula-v4-csa-device-rows (default 0: the line's default)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.worker:
@@ -151,7 +155,7 @@ def main() -> None:
     base = dict(model=model, kv_bytes=args.kv_mib * MiB, requests=args.requests,
                 prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=0,
-                timeout=1800)
+                timeout=1800, csa_device_rows=args.csa_device_rows)
     res = {b: _spawn({**base, "backend": b}) for b in ("vllm", "ulacache")}
     for r in res.values():
         if r.get("failed"):

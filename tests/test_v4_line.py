@@ -287,7 +287,7 @@ def test_csa_rows_are_sized_from_the_step_and_the_host_pool():
     assert sorted(csa) == ["model.layers.1.attn", "model.layers.3.attn"]
     p = plan_csa(_cfg(65536), csa, 5, UlaSettings(host_pool_gib=1.0))
     assert (p.rows_per_block, p.row_bytes, p.group) == (64, 584, 5)
-    assert p.device_rows == 3072 // 4 + 4 + 4 * 512  # one step's rows + every top-k
+    assert p.device_rows == 3072 // 4 + 4 + 512  # one step's rows + one request's top-k
     assert p.host_rows == (1 << 30) // (584 * 2)
     assert p.num_blocks == (p.device_rows + p.host_rows) // 64 + 1
     assert plan_csa(_cfg(65536), csa, 5, UlaSettings(v4_csa_device_rows=800)).device_rows == 800

@@ -150,9 +150,10 @@ class UlaSettings:
         "layer) tag and raise on a mismatch instead of hanging (default false).", debug=True)
     v4_csa_device_rows: int = _setting(
         0, "int", "DeepSeek-V4: compressed rows per CSA layer kept in the device pool (default "
-        "0: one step's new rows plus every running request's top-k, `max_num_batched_tokens / "
-        "4 + max_num_seqs * (1 + index_topk)`); the other rows live in the host pool "
-        "(`--ula-host-pool-gib`). At least one step's new rows.", metavar="N")
+        "0: one step's new rows plus one request's top-k, `max_num_batched_tokens / 4 + "
+        "max_num_seqs + index_topk`); the other rows live in the host pool "
+        "(`--ula-host-pool-gib`), read in place on the CPU build and promoted when read again. "
+        "At least one step's new rows.", metavar="N")
     arena_force_moves: int = _setting(
         0, "int", "hybrid models (arena): every N scheduler steps compact and relayout the "
         "arena whether or not an admission needs it, with real copies, to exercise the moves "

@@ -15,7 +15,7 @@ The CSA rows (584 B per 4 tokens and CSA layer, ~79 % of a long request's bytes 
 default layer schedule, read sparsely: the top 512 per query) leave the arena: their group's
 block ids are logical blocks of the scheduler's CSA pool, ``(device_rows + host_rows) /
 rows_per_block`` of them, and the device budget holds ``device_rows`` per CSA layer (default:
-one step's new rows plus every running request's top-k) besides the arena. So admission is
+one step's new rows plus one request's top-k) besides the arena. So admission is
 bounded by the arena's bytes per request (indexer keys, HCA rows, window pages, compressor
 states) and by the CSA pool's rows, most of them host memory (`--ula-host-pool-gib`).
 
@@ -76,7 +76,7 @@ CSA_RATIO = 4  # tokens per CSA compressed row
 
 def plan_csa(vllm_config: Any, csa: dict, group: int, settings: UlaSettings) -> CsaRowsPlan:
     """The CSA rows' pools: device rows per layer (the setting, or one step's new rows plus
-    every running request's top-k), host rows per layer from ``--ula-host-pool-gib``, and the
+    one request's top-k), host rows per layer from ``--ula-host-pool-gib``, and the
     logical blocks they make (module doc). Refuses a host pool that holds less than one
     request of ``max_model_len``, naming the size that does."""
     from ..dsa.sizing import GIB, _layer_index
@@ -93,7 +93,10 @@ def plan_csa(vllm_config: Any, csa: dict, group: int, settings: UlaSettings) -> 
     seqs = max(1, sched.max_num_seqs or 1)
     topk = int(getattr(mc.hf_text_config, "index_topk", 0) or 0)
     writes = -(-sched.max_num_batched_tokens // CSA_RATIO) + seqs
-    device_rows = settings.v4_csa_device_rows or writes + seqs * topk
+    # One step's new rows and one request's selection: the rest of a decode's reads are host
+    # rows, read in place on the CPU build (promoted once read again) -- every running
+    # request's top-k on the device would hold most rows of every request there.
+    device_rows = settings.v4_csa_device_rows or writes + topk
     if device_rows < writes:
         raise KVBackendError(
             f"--ula-v4-csa-device-rows {device_rows} is smaller than one step's new CSA rows "
