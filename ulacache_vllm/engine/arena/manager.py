@@ -193,9 +193,12 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         # Free-but-cached pages this request hits: touched by vLLM below, so they are neither
         # reclaimable nor new bytes (their ref count is raised while the demand is counted).
         hit_free = [b for blks in hits for b in blks if not b.is_null and b.ref_cnt == 0]
-        keep = {b.block_id for b in hit_free}
+        # (only arena pages hold arena bytes: another pool's blocks, the v4 line's CSA ones,
+        # are counted by that pool)
+        pages = [b for b in hit_free if isinstance(b.pool, ArenaBlockPool)]
+        keep = {b.block_id for b in pages}
         page = self.arena.page_bytes
-        hit_bytes = sum(page[b.pool._kind] for b in hit_free)
+        hit_bytes = sum(page[b.pool._kind] for b in pages)
         st = self._state
         reclaimable = st.cached_free_bytes() - hit_bytes
         total_computed = min(request.num_computed_tokens + num_new_computed_tokens,

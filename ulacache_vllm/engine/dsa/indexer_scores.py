@@ -73,12 +73,23 @@ def fp8_to_float(x: torch.Tensor, dtype: torch.dtype = torch.float32,
     n = codes.numel()
     dst = (torch.empty(n, dtype=dtype) if out is None else out.view(-1)[:n])
     if n % 2 == 0 and n:
-        idx = codes.reshape(-1).view(torch.uint16).int()
-        torch.index_select(FP8_PAIRS[dtype], 0, idx, out=dst.view(-1, 2))
+        decode_pairs(pair_indices(codes.reshape(-1)), dtype, dst)
     else:
         table = FP8_TABLE64 if dtype == torch.float64 else FP8_TABLE
         torch.index_select(table, 0, codes.reshape(-1).int(), out=dst)
     return dst.view(codes.shape)
+
+
+def pair_indices(codes: torch.Tensor) -> torch.Tensor:
+    """Contiguous uint8 fp8 codes (an even count) as int32 indices of `FP8_PAIRS`, one per
+    two codes, shaped ``[..., last / 2]``."""
+    return codes.view(torch.uint16).int()
+
+
+def decode_pairs(idx: torch.Tensor, dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    """The values of `pair_indices` ``idx`` into ``out`` (``2 * idx.numel()`` elements of
+    ``dtype``, flat)."""
+    return torch.index_select(FP8_PAIRS[dtype], 0, idx.reshape(-1), out=out.view(-1, 2))
 
 
 class Fp8Keys(NamedTuple):
@@ -105,9 +116,11 @@ class Fp8Keys(NamedTuple):
         lo, hi = torch.aminmax(b)  # > 0: positive, not zero; < inf's bits: finite
         return bool(lo > 0) and bool(hi < 0x7F800000) and not bool((b & 0x7FFFFF).any())
 
-    def dequantized(self) -> torch.Tensor:
-        """[L, D] float32 (fp8 values times scales: exact)."""
-        return fp8_to_float(self.codes) * self.scales.unsqueeze(1)
+    def dequantized(self, dtype: torch.dtype = torch.float32, rows=None) -> torch.Tensor:
+        """[L, D] (or the keys ``rows``) in ``dtype``, fp8 values times scales: exact."""
+        codes, scales = (self.codes, self.scales) if rows is None else \
+            (self.codes[rows], self.scales[rows])
+        return fp8_to_float(codes, dtype) * scales.to(dtype).unsqueeze(1)
 
 
 def on_fp8_grid(x: torch.Tensor) -> bool:
@@ -251,8 +264,7 @@ def _tiled_logits(q, weights, keys, positions, key_positions, mode: str):
         sbuf = torch.empty(rows_max * tk, dtype=torch.float32) if mode == "exact" else None
         scales = keys.scales.to(dt) if fp8 else None
         # the codes as pair-table indices, once per call (`fp8_to_float`'s lookup, per tile)
-        pairs = (keys.codes.contiguous().view(torch.uint16).int()
-                 if fp8 and D % 2 == 0 else None)
+        pairs = pair_indices(keys.codes.contiguous()) if fp8 and D % 2 == 0 else None
     else:
         q_all = q.float()
         kf = (keys.dequantized() if fp8 else keys).float()
@@ -260,8 +272,7 @@ def _tiled_logits(q, weights, keys, positions, key_positions, mode: str):
         d = min(max(lims), c + tk)
         if tiled:
             if pairs is not None:  # fp8 values times their power-of-two scale: exact
-                kt = torch.index_select(FP8_PAIRS[dt], 0, pairs[c:d].view(-1),
-                                        out=kbuf[:(d - c) * D].view(-1, 2)).view(d - c, D)
+                kt = decode_pairs(pairs[c:d], dt, kbuf[:(d - c) * D]).view(d - c, D)
                 kt.mul_(scales[c:d].unsqueeze(1))
             elif fp8:
                 kt = fp8_to_float(keys.codes[c:d], dt, kbuf)
@@ -299,7 +310,7 @@ def _tiled_logits(q, weights, keys, positions, key_positions, mode: str):
 def _exact_keys(keys, cols: torch.Tensor) -> torch.Tensor:
     """The keys ``cols`` as float64 [m, D] (exact: fp8 values times power-of-two scales)."""
     if isinstance(keys, Fp8Keys):
-        return fp8_to_float(keys.codes[cols], torch.float64) * keys.scales[cols].double().unsqueeze(1)
+        return keys.dequantized(torch.float64, cols)
     return keys[cols].double()
 
 

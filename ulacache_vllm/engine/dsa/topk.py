@@ -34,6 +34,16 @@ def _canonical_idx(scores: torch.Tensor, kk: int) -> torch.Tensor:
     return key.topk(kk, dim=-1, largest=False, sorted=True).values
 
 
+def _picked(scores: torch.Tensor, positions: torch.Tensor, kk: int):
+    """(column indices [n, kk] as `_canonical_idx` gives them, which are real, their
+    positions as int32) of the canonical top-kk."""
+    n, m = scores.shape
+    idx = _canonical_idx(scores, kk)
+    col = idx.clamp(max=m - 1)
+    pos = positions if positions.dim() == 2 else positions.unsqueeze(0).expand(n, m)
+    return col, idx < m, pos.gather(1, col).to(torch.int32)
+
+
 def canonical_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> torch.Tensor:
     """``scores`` [n, m] float (-inf: not a candidate), ``positions`` [n, m] int ascending
     along m (or [m], shared). Returns [n, k] int32: the positions of the k best candidates by
@@ -41,13 +51,9 @@ def canonical_topk(scores: torch.Tensor, positions: torch.Tensor, k: int) -> tor
     n, m = scores.shape
     out = torch.full((n, k), -1, dtype=torch.int32, device=scores.device)
     kk = min(k, m)
-    if kk == 0 or n == 0:
-        return out
-    idx = _canonical_idx(scores, kk)
-    col = idx.clamp(max=m - 1)
-    pos = positions if positions.dim() == 2 else positions.unsqueeze(0).expand(n, m)
-    picked = pos.gather(1, col).to(torch.int32)
-    out[:, :kk] = torch.where(idx < m, picked, torch.full_like(picked, -1))
+    if kk and n:
+        _, ok, picked = _picked(scores, positions, kk)
+        out[:, :kk] = torch.where(ok, picked, torch.full_like(picked, -1))
     return out
 
 
@@ -60,11 +66,7 @@ def local_candidates(scores: torch.Tensor, positions: torch.Tensor, k: int):
     kk = min(k, m)
     if kk == 0 or n == 0:
         return vals, out
-    idx = _canonical_idx(scores, kk)
-    ok = idx < m
-    col = idx.clamp(max=m - 1)
-    pos = positions if positions.dim() == 2 else positions.unsqueeze(0).expand(n, m)
-    picked = pos.gather(1, col).to(torch.int32)
+    col, ok, picked = _picked(scores, positions, kk)
     out[:, :kk] = torch.where(ok, picked, torch.full_like(picked, -1))
     v = scores.gather(1, col).float()
     vals[:, :kk] = torch.where(ok, v, torch.full_like(v, NEG_INF))

@@ -41,11 +41,6 @@ class V4KVCacheManager(ArenaKVCacheManager):
         mgr.block_pool = pool
         mgr._null_block = pool.null_block
         self.csa_pool = pool
-        # The CSA kind places no arena bytes (its blocks' hits count none either).
-        page = self.arena.page_bytes
-        while len(page) <= self._csa_kind:
-            page.append(0)
-        pool._kind = self._csa_kind
 
     def _group_counts(self, request, num_tokens_need_slot: int, total_computed: int,
                       num_tokens_main_model: int, prefill_end: int, cap: bool,
@@ -53,7 +48,10 @@ class V4KVCacheManager(ArenaKVCacheManager):
         out = super()._group_counts(request, num_tokens_need_slot, total_computed,
                                     num_tokens_main_model, prefill_end, cap, hits)
         n = out.pop(self._csa_kind, 0)
-        if n > self.csa_pool.get_num_free_blocks():
+        # The request's CSA hits count as taking free blocks too (a free-but-cached hit
+        # leaves the free queue when touched; a held one is counted safe side).
+        held = 0 if hits is None else sum(1 for b in hits[self._csa_kind - 1] if not b.is_null)
+        if n + held > self.csa_pool.get_num_free_blocks():
             out[self._csa_kind] = ArenaState.DEFER  # (reads as a demand no arena fits)
         return out
 

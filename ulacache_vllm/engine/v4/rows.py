@@ -122,12 +122,11 @@ class CsaLayerRows:
         self._apply(plan)
         return True
 
-    def assign_writes(self, logical_slots: torch.Tensor) -> None:
+    def assign_writes(self, logical_slots: torch.Tensor, valid: torch.Tensor) -> None:
         """This step's new rows (``logical_slots``: vLLM's CSA slot mapping, -1 where a token
-        writes no row) get pool rows: device rows for rows not yet mapped, in place for rows
-        already mapped (a row is written once; a re-sent block's row is overwritten where it
-        lives)."""
-        valid = logical_slots[logical_slots >= 0]
+        writes no row; ``valid``: its entries >= 0) get pool rows: device rows for rows not
+        yet mapped, in place for rows already mapped (a row is written once; a re-sent block's
+        row is overwritten where it lives)."""
         if valid.numel():
             dev, host = self.mapping.locate(valid)
             new = valid[(dev < 0) & (host < 0)]
@@ -165,12 +164,15 @@ class CsaRows:
         """Outside the forward, after `free` (module doc): settle, round, this step's
         writes."""
         self.steps += 1
+        if slot_mapping is not None:  # the same slots for every CSA layer: read once
+            slot_mapping = slot_mapping.long()
+            valid = slot_mapping[slot_mapping >= 0]
         for rows in self.layers.values():
             if not rows.settle():
                 self.settle_overflows += 1
             rows.mapping.advance_round()
             if slot_mapping is not None:
-                rows.assign_writes(slot_mapping.long())
+                rows.assign_writes(slot_mapping, valid)
 
     def counters(self) -> dict:
         out: dict = {"settle_overflows": self.settle_overflows}
