@@ -50,13 +50,18 @@ def _shard(scores, positions, P, k):
 @pytest.mark.parametrize("seed", range(6))
 def test_canonical_topk_and_the_sharded_merge_equal_the_reference(seed):
     g = torch.Generator().manual_seed(seed)
-    for _ in range(30):
+    for it in range(30):
         n = int(torch.randint(1, 5, (1,), generator=g))
         m = int(torch.randint(0, 50, (1,), generator=g))
         k = int(torch.randint(1, 16, (1,), generator=g))
-        # Few distinct values: ties everywhere, also at the k-th place; some keys masked.
-        scores = torch.randint(-2, 3, (n, m), generator=g).float()
-        scores[torch.rand(n, m, generator=g) < 0.25] = float("-inf")
+        if it % 3 == 2:  # distinct scores (no tie at the k-th place: top-k's own set)
+            scores = torch.randn(n, m, generator=g)
+            if it % 2:
+                scores[torch.rand(n, m, generator=g) < 0.1] = float("-inf")
+        else:
+            # Few distinct values: ties everywhere, also at the k-th place; some keys masked.
+            scores = torch.randint(-2, 3, (n, m), generator=g).float()
+            scores[torch.rand(n, m, generator=g) < 0.25] = float("-inf")
         base = 0 if seed % 2 else (1 << 24) + 3  # positions past float32's exact integers
         positions = torch.arange(m) + base
         ref = _reference(scores, positions, k)

@@ -116,10 +116,11 @@ def read_fp8_keys(kv_cache: torch.Tensor, block_row: torch.Tensor, n: int) -> Fp
     cache holds them (fp8 codes and scales; decoded a tile at a time by `indexer_logits`)."""
     bs = kv_cache.shape[1]
     nb = (n + bs - 1) // bs
-    values, scales = cache_views(kv_cache)
-    ids = block_row[:nb].long()
-    codes = values[ids].reshape(nb * bs, -1)[:n]
-    s = scales[ids].reshape(nb * bs, 4)[:n].contiguous().view(torch.float32).reshape(-1)
+    # whole blocks (contiguous bytes each) in one gather, then split: ~3x faster than
+    # gathering the strided value and scale views one by one
+    values, scales = cache_views(torch.index_select(kv_cache, 0, block_row[:nb].long()))
+    codes = values.reshape(nb * bs, -1)[:n]
+    s = scales.reshape(nb * bs, 4)[:n].contiguous().view(torch.float32).reshape(-1)
     return Fp8Keys(codes, s)
 
 

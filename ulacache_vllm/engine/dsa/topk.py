@@ -22,8 +22,22 @@ NEG_INF = float("-inf")
 def _canonical_idx(scores: torch.Tensor, kk: int) -> torch.Tensor:
     """[n, kk] column indices of the kk best by (score desc, column asc), ascending; m where
     fewer than kk candidates are finite."""
+    vals, cols = scores.topk(kk, dim=-1, sorted=False)
+    thr = vals.amin(-1, keepdim=True)  # the k-th best
+    # a row where exactly kk finite scores reach the k-th: no tie straddles the k-th place,
+    # so top-k's own set is the canonical one (the common case); the others below
+    ok = (thr > NEG_INF) & ((scores >= thr).sum(-1, keepdim=True, dtype=torch.int32) == kk)
+    idx = cols.sort(dim=-1).values
+    if not bool(ok.all()):
+        bad = (~ok).squeeze(1).nonzero().squeeze(1)
+        idx[bad] = _canonical_ties(scores[bad], thr[bad], kk)
+    return idx
+
+
+def _canonical_ties(scores: torch.Tensor, thr: torch.Tensor, kk: int) -> torch.Tensor:
+    """`_canonical_idx` for rows whose k-th best score ``thr`` [n, 1] is tied past the k-th
+    place or is -inf: the ties at the k-th place taken lowest column first."""
     n, m = scores.shape
-    thr = scores.topk(kk, dim=-1, sorted=False).values.amin(-1, keepdim=True)  # the k-th best
     finite = scores > NEG_INF
     gt = (scores > thr) & finite
     eq = (scores == thr) & finite
