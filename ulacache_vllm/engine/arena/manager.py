@@ -230,7 +230,7 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         finally:
             for b in hit_free:
                 b.ref_cnt -= 1
-        if demands and not self._place(demands, watermark, hit_bytes, keep):
+        if not self._place(demands, watermark, hit_bytes, keep):
             return None
         st.allocating = True
         try:
@@ -260,7 +260,7 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         need_slot = min(main + num_lookahead_tokens, self.max_model_len)
         demands = self._group_counts(request, need_slot, local, main,
                                      self._prefill_end(request), False)
-        if demands and not self._place(demands, 0, 0, set()):
+        if not self._place(demands, 0, 0, set()):
             return None
         self._state.allocating = True
         try:
@@ -296,6 +296,8 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         against free plus cached bytes, as stock counts its free-but-cached blocks, and
         evicts nothing."""
         st = self._state
+        if not demands:
+            return True
         if any(n >= st.DEFER for n in demands.values()):
             return False
         page = self.arena.page_bytes

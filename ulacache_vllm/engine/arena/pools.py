@@ -27,6 +27,9 @@ from ulacache_vllm.arena.cache import CachedPages
 logger = init_logger("vllm.ulacache.arena")
 
 NULL_KIND = "null"
+# A staged page that holds no bytes: vLLM's manager gets the null block for it (a line's
+# transient pages, e.g. the v4 line's out-of-window compressor states).
+TRANSIENT_VID = -1
 
 
 def _frozen(shape) -> np.ndarray:
@@ -379,6 +382,9 @@ class ArenaBlockPool(BlockPool):
         vids, st.staged[self._kind] = staged[:num_blocks], staged[num_blocks:]
         out = []
         for v in vids:
+            if v == TRANSIENT_VID:
+                out.append(st.null_block)
+                continue
             if v in st.live:
                 raise RuntimeError(f"ulacache arena: vid {v} handed out while still live")
             blk = KVCacheBlock(v, pool=self)

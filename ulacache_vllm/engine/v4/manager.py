@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..arena.manager import ArenaKVCacheManager
-from ..arena.pools import ArenaState, ArenaStepPlan
+from ..arena.pools import TRANSIENT_VID, ArenaState, ArenaStepPlan
 from ..dsa.manager import DsaBlockPool
+from .states import install_window_frees, is_state_group, transient_pages, window_pages
 
 
 @dataclass
@@ -41,6 +42,18 @@ class V4KVCacheManager(ArenaKVCacheManager):
         mgr.block_pool = pool
         mgr._null_block = pool.null_block
         self.csa_pool = pool
+        # Compressor-state kinds whose out-of-window pages are transient (`states.py`): only
+        # with prefix caching off (a cached state page must hold its bytes). kind -> (window,
+        # block size); the pages handed as transient so far; this step's pending ones.
+        self._states: dict[int, tuple[int, int]] = {}
+        self._transient: dict[int, int] = {}
+        self.transient_state_pages = 0
+        if not self.enable_caching:
+            for i, g in enumerate(self.layout.groups):
+                if is_state_group(g.layer_names):
+                    m = self.coordinator.single_type_managers[i]
+                    self._states[i + 1] = (m.sliding_window, m.block_size)
+                    install_window_frees(m, {})
 
     def _group_counts(self, request, num_tokens_need_slot: int, total_computed: int,
                       num_tokens_main_model: int, prefill_end: int, cap: bool,
@@ -53,7 +66,35 @@ class V4KVCacheManager(ArenaKVCacheManager):
         held = 0 if hits is None else sum(1 for b in hits[self._csa_kind - 1] if not b.is_null)
         if n + held > self.csa_pool.get_num_free_blocks():
             out[self._csa_kind] = ArenaState.DEFER  # (reads as a demand no arena fits)
+        for k, (window, bs) in self._states.items():
+            n = out.get(k, 0)
+            if not n or n >= ArenaState.DEFER:
+                continue
+            if cap:  # the admission gate: one window of pages, whatever the chunk
+                out[k] = min(n, window_pages(window, bs))
+                continue
+            first_new = -(-num_tokens_need_slot // bs) - n  # vLLM's allocate_new_blocks
+            tr = transient_pages(first_new, n, num_tokens_main_model, window, bs)
+            if tr:
+                self._transient[k] = tr
+                if n == tr:
+                    del out[k]
+                else:
+                    out[k] = n - tr
         return out
+
+    def _place(self, demands, watermark, hit_bytes, keep) -> bool:
+        """The arena's placement of the real pages, then this step's transient state pages
+        staged before them (a state kind's new pages ascend by position: the transient ones
+        come first)."""
+        transient, self._transient = self._transient, {}
+        if not super()._place(demands, watermark, hit_bytes, keep):
+            return False
+        staged = self._state.staged
+        for k, n in transient.items():
+            staged[k] = [TRANSIENT_VID] * n + staged.get(k, [])
+            self.transient_state_pages += n
+        return True
 
     def take_step(self) -> V4StepPayload:
         dead, self.csa_pool.dead = self.csa_pool.dead, []
@@ -77,4 +118,5 @@ class V4KVCacheManager(ArenaKVCacheManager):
     def stats(self) -> dict:
         out = super().stats()
         out["csa_free_blocks"] = self.csa_pool.get_num_free_blocks()
+        out["transient_state_pages"] = self.transient_state_pages
         return out
