@@ -8,8 +8,10 @@ side by side: distinct prompts over 2048 tokens (the real indexer: top 512 of th
 rows) beside short ones, identical resends and next-turn prompts (prefix hits where vLLM's
 platform has prefix caching on, as on AMX hosts, or asked), a batch of long prompts and
 outputs, the same prompts one at a time, prompts near `max_model_len` one at a time (also
-through a second arena barely above one such request: cached pages evicted), aborts
-mid-decode, `reset_prefix_cache()`.
+through a second arena barely above one such request: cached pages evicted; and a third
+with prefix caching off, where a prefill chunk's compressor states out of the window after
+the step live in the step's scratch, not the arena), aborts mid-decode,
+`reset_prefix_cache()`.
 
 Stock V4 on the CPU build is not schedule-invariant: a long request's greedy tokens depend on
 which other requests share its steps (measured: stock with `max_num_seqs=1` and with 4 differ
@@ -47,7 +49,7 @@ from vllm import LLM, SamplingParams
 kw = dict(ARGS["kw"])
 llm = LLM(model=ARGS["model"], dtype="bfloat16", enforce_eager=True,
           max_model_len=ARGS["max_model_len"], max_num_batched_tokens=ARGS["max_model_len"],
-          enable_prefix_caching=True, max_num_seqs=4,
+          enable_prefix_caching=kw.pop("enable_prefix_caching", True), max_num_seqs=4,
           seed=0, disable_log_stats=False, **kw)
 topk_calls = [0]
 topk_op = ops.topk_transform_512_cpu
@@ -86,12 +88,17 @@ def _prompts() -> dict:  # (made here: the token lists are too long for ARGS)
     # Each prefill's compressor states nearly fill an arena sized for one max_model_len
     # request: the cached pages of the earlier ones make room (on either host kind).
     tight = [ids(2950), ids(2990), ids(2930), ids(2970)]
-    return dict(prime=prime, variant=variant, pressure=pressure, abort=abort, tight=tight)
+    # Two at once: one decodes (its boundaries read states from before the step) while the
+    # other's prefill chunk runs (its early states out of the window after the step).
+    pair = [ids(1400), ids(1700)]
+    return dict(prime=prime, variant=variant, pressure=pressure, abort=abort, tight=tight,
+                pair=pair)
 
 P = _prompts()
 def tight():  # prompts near max_model_len, one at a time: the same schedule on every engine
     for i, p in enumerate(P["tight"]):
         run(f"tight{i}", [p], ARGS["out"])
+    run("pair", P["pair"], ARGS["out"])
 
 if ARGS.get("tight_only"):
     tight()
@@ -149,10 +156,15 @@ def v4_line_runs(tiny_model):
         call("vllm", dict(kv_cache_memory_bytes=256 << 20)))
     # And an arena barely above one max_model_len request (its startup check: ~51 MiB) for
     # the near-max_model_len prompts alone.
+    # The same with prefix caching off (on every host kind): a prefill chunk's compressor
+    # states out of the window after the step stay in the step's scratch, not the arena.
     base["tight_only"] = True
-    tight, = run_side_by_side(call("ulacache", dict(kv_cache_memory_bytes=TIGHT_BUDGET,
-                                                    ula_v4_csa_device_rows=CSA_DEVICE_ROWS)))
-    return ref, ula, tight
+    tight, states = run_side_by_side(
+        call("ulacache", dict(kv_cache_memory_bytes=TIGHT_BUDGET,
+                              ula_v4_csa_device_rows=CSA_DEVICE_ROWS)),
+        call("ulacache", dict(kv_cache_memory_bytes=TIGHT_BUDGET, enable_prefix_caching=False,
+                              ula_v4_csa_device_rows=CSA_DEVICE_ROWS)))
+    return ref, ula, tight, states
 
 
 ULA_BUDGET = 72 << 20
@@ -166,10 +178,17 @@ TIGHT_BUDGET = 53_500_000
 
 @pytest.mark.engine
 def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
-    ref, ula, tight = v4_line_runs
+    ref, ula, tight, states = v4_line_runs
     assert ula["prefix_caching"] == ref["prefix_caching"] == tight["prefix_caching"]
+    assert not states["prefix_caching"]
     for p in TIGHT:
         assert tight[p] == ref[p], p
+    for p in (*TIGHT, "pair"):  # (both admit the pair at once: the states take no pages)
+        assert states[p] == ref[p], p
+    # The out-of-window states ran through the scratch (no arena page), and nothing is left.
+    assert states["usage_end"]["state_scratch_tokens"] > 0, states["usage_end"]
+    assert states["metrics"]["vllm:ulacache_v4_state_scratch_tokens"] > 0, states["metrics"]
+    assert states["usage_end"]["arena_live_pages"] == 0, states["usage_end"]
     for p in PHASES:
         assert ula[p] == ref[p], p
     # The real indexer ran (prompts over 4 * index_topk tokens), on both sides alike.

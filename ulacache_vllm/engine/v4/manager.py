@@ -9,6 +9,11 @@ kinds, the CSA pool's free blocks (device and host tiers together: no request ha
 quota) for the CSA rows; a CSA demand that does not fit defers the request (vLLM then waits
 or preempts, as for arena bytes). The CSA kind has no arena bytes. Dead CSA blocks travel to
 the worker in the step payload, which frees their rows before the step's forward.
+
+With prefix caching off, a prefill chunk's compressor-state pages that lie before the last
+window of the step are transient (`states.py`): vLLM's manager gets the null block for them,
+the arena places only the rest, and the admission gate counts a state kind at one window of
+pages per request.
 """
 from __future__ import annotations
 

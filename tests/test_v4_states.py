@@ -1,0 +1,157 @@
+"""The v4 line's transient compressor states (`engine/v4/states.py`), without an engine.
+
+The scratch plan must give every compression boundary exactly the window of states vLLM's
+own path reads (this step's tokens and the rows before the step the arena kept), and the
+arena must receive every kept token's state and none of a transient one. Checked against a
+model of the two kernels (write a token's state at its slot; a boundary reads its window's
+rows) over random batches: prefill chunks (first and later ones), decodes at and between
+boundaries, both V4 state shapes (window 8 / 4-token pages / ratio 4 and window 128 / 8-token
+pages / ratio 128). And the scheduler's arithmetic: which new pages are transient, how many
+pages a request holds, and the window frees that skip the transient pages' null blocks.
+"""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ulacache_vllm.engine.v4.states import (
+    install_window_frees,
+    is_state_group,
+    scratch_plan,
+    step_positions,
+    transient_pages,
+    window_pages,
+)
+
+SHAPES = [(8, 4, 4), (128, 8, 128)]  # (window, block size, compress ratio)
+
+
+def _value(r: int, p: int) -> float:
+    return float(r * 100_000 + p + 1)
+
+
+def _batch(rng: random.Random, W: int, bs: int):
+    """A step: per request (computed tokens, new tokens), a block table whose transient and
+    freed pages are the null granule 0, the arena state cache holding the kept rows of the
+    computed tokens."""
+    reqs = []
+    for _ in range(rng.randint(1, 5)):
+        c = rng.choice([0, 0, rng.randint(1, 400), rng.randint(W, 300)])
+        n = rng.choice([1, 1, rng.randint(2, 3 * W), rng.randint(1, 600)])
+        reqs.append((c, n))
+    max_blocks = max(-(-(c + n) // bs) for c, n in reqs) + 1
+    table = torch.zeros(len(reqs), max_blocks, dtype=torch.int32)
+    granules = list(range(1, 1 + len(reqs) * max_blocks))
+    rng.shuffle(granules)
+    cache = torch.full((1 + len(reqs) * max_blocks, bs, 1), -1.0)
+    slots, positions, req_of = [], [], []
+    for r, (c, n) in enumerate(reqs):
+        end = c + n
+        for b in range(-(-end // bs)):
+            lo, hi = b * bs, (b + 1) * bs
+            freed = hi <= c - W + 1  # out of the window before the step: freed, null
+            # a page this step allocates that lies wholly before the window after it
+            transient = b >= -(-c // bs) and hi <= end - W + 1
+            if freed or transient:
+                continue
+            g = granules.pop()
+            table[r, b] = g
+            for p in range(lo, min(hi, c)):  # the rows kept from earlier steps
+                cache[g, p - lo, 0] = _value(r, p)
+        for p in range(c, end):
+            b = p // bs
+            slots.append(int(table[r, b]) * bs + p % bs)
+            positions.append(p)
+            req_of.append(r)
+    return reqs, table, cache, torch.tensor(slots), torch.tensor(positions), \
+        torch.tensor(req_of, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("W, bs, ratio", SHAPES)
+def test_every_boundary_reads_the_window_vllm_reads(W, bs, ratio):
+    rng = random.Random(W)
+    planned = 0
+    for _ in range(120):
+        reqs, table, cache, slots, pos, req = _batch(rng, W, bs)
+        plan = scratch_plan(slots, table, bs, req, pos, W, ratio)
+        transient = (slots >= 0) & (slots < bs)
+        if not bool(transient.any()):
+            assert plan is None
+            continue
+        planned += 1
+        assert plan.transient == int(transient.sum())
+        # save, arena: the kept tokens only, never the null granule
+        assert torch.equal(plan.keep_slots[~transient], slots[~transient])
+        assert bool((plan.keep_slots[transient] == -1).all())
+        arena = cache.clone()
+        for t, s in enumerate(plan.keep_slots.tolist()):
+            if s >= 0:
+                arena[s // bs, s % bs, 0] = _value(int(req[t]), int(pos[t]))
+        assert bool((arena[0] == -1).all())  # the null page is never written
+        # save, scratch: every token at its row; the tails copied from the arena
+        scratch = torch.full((plan.rows, 1, 1), -1.0)
+        for t, row in enumerate(plan.step_rows.tolist()):
+            scratch[row, 0, 0] = _value(int(req[t]), int(pos[t]))
+        scratch[plan.tail_rows, 0] = arena[plan.tail_blocks, plan.tail_offsets]
+        # store: every boundary reads its whole window, exactly
+        for t in range(len(pos)):
+            p, r = int(pos[t]), int(req[t])
+            if (p + 1) % ratio:
+                continue
+            got = [float(scratch[g, 0, 0]) if g >= 0 else None for g in plan.gather[t].tolist()]
+            want = [_value(r, q) if q >= 0 else None for q in range(p - W + 1, p + 1)]
+            assert got == want, (reqs, t, p)
+    assert planned > 30
+
+
+def test_step_positions_from_the_window_metadata():
+    qsl = torch.tensor([0, 1, 4, 6])
+    seq = torch.tensor([10, 3, 102])
+    req = torch.tensor([0, 1, 1, 1, 2, 2], dtype=torch.int32)
+    assert step_positions(qsl, seq, req).tolist() == [9, 0, 1, 2, 100, 101]
+
+
+def test_transient_pages_are_the_chunk_before_its_last_window():
+    # a first chunk of 2200 tokens, C4 states (window 8, 4-token pages): pages 0..547 lie
+    # before position 2193, pages 548-549 hold the last window
+    assert transient_pages(0, 550, 2200, 8, 4) == 548
+    # the next chunk (2200..2999), 200 pages from page 550
+    assert transient_pages(550, 200, 3000, 8, 4) == 198
+    # a decode step: nothing
+    assert transient_pages(750, 1, 3001, 8, 4) == 0
+    assert transient_pages(0, 2, 5, 8, 4) == 0
+    # C128 states (window 128, 8-token pages)
+    assert transient_pages(0, 275, 2200, 128, 8) == 259
+    assert window_pages(8, 4) == 3 and window_pages(128, 8) == 17
+    assert is_state_group(["model.layers.1.attn.compressor.state_cache",
+                           "model.layers.3.attn.indexer.compressor.state_cache"])
+    assert not is_state_group(["model.layers.1.attn.swa_cache"])
+
+
+def test_window_frees_skip_the_transient_null_blocks_and_free_every_real_page():
+    null = SimpleNamespace(is_null=True)
+    freed = []
+    mgr = SimpleNamespace(block_size=4, _null_block=null, req_to_blocks={},
+                          get_num_skipped_tokens=lambda n: max(0, n - 8 + 1),
+                          block_pool=SimpleNamespace(free_blocks=freed.extend),
+                          free=lambda rid: freed.extend(
+                              b for b in mgr.req_to_blocks.pop(rid) if not b.is_null))
+    low = {}
+    install_window_frees(mgr, low)
+    real = lambda i: SimpleNamespace(is_null=False, i=i)  # noqa: E731
+    # chunk 1 (0..2199): pages 0..547 transient, 548-549 real; chunk 2 (2200..2999): 550-747
+    # transient, 748-749 real (vLLM's own frees would stop at page 747 and keep 548-549)
+    blocks = [null] * 548 + [real(548), real(549)] + [null] * 198 + [real(748), real(749)]
+    mgr.req_to_blocks["a"] = blocks
+    mgr.remove_skipped_blocks("a", 2200)  # the second chunk's allocation: 548-549 still read
+    assert freed == []
+    mgr.remove_skipped_blocks("a", 3000)
+    assert sorted(b.i for b in freed) == [548, 549] and low["a"] == 748
+    assert all(b.is_null for b in blocks[:748])
+    mgr.remove_skipped_blocks("a", 3000)  # nothing twice
+    assert len(freed) == 2
+    mgr.free("a")
+    assert sorted(b.i for b in freed) == [548, 549, 748, 749] and "a" not in low
