@@ -86,7 +86,11 @@ def _worker(cfg: dict) -> dict:
     extra = {}
     if ula and getattr(sched.kv_cache_manager.layout, "csa", None) is not None:
         lay = sched.kv_cache_manager.layout
-        extra["csa"] = llm.collective_rpc("ulacache_usage")[0]["csa"]
+        use = llm.collective_rpc("ulacache_usage")[0]
+        extra["csa"] = use["csa"]
+        # compressor states of prefill chunks kept in the step scratch (outside the budget)
+        extra["state_scratch_tokens"] = use.get("state_scratch_tokens", 0)
+        extra["state_scratch_bytes"] = use.get("state_scratch_bytes", 0)
         extra["csa_device_bytes"] = lay.csa.device_bytes
         extra["null_page_bytes"] = lay.null_page_bytes
         if decode:  # the physical bound: the budget less the CSA device rows and the null
@@ -134,6 +138,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--csa-device-rows", type=int, default=0,
                     help="ulacache: --ula-v4-csa-device-rows (default 0: the line's default)")
+    ap.add_argument("--ula-less-mib", type=float, default=0.0,
+                    help="ulacache's KV budget this much smaller than stock's (e.g. its state "
+                    "scratch, for equal total memory)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.worker:
@@ -156,7 +163,9 @@ def main() -> None:
                 prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=0,
                 timeout=1800, csa_device_rows=args.csa_device_rows)
-    res = {b: _spawn({**base, "backend": b}) for b in ("vllm", "ulacache")}
+    ula_kv = int((args.kv_mib - args.ula_less_mib) * MiB)
+    res = {b: _spawn({**base, "backend": b, **({"kv_bytes": ula_kv} if b == "ulacache" else {})})
+           for b in ("vllm", "ulacache")}
     for r in res.values():
         if r.get("failed"):
             print(r["backend"], "FAILED\n", r["stderr_tail"])
@@ -171,7 +180,9 @@ def main() -> None:
             ("output tok/s", "out_tok_s", "{:.1f}")]
     print(f"\nDeepSeek-V4 (tiny, layers {args.compress_ratios or '0,4,128'}) at {args.kv_mib} MiB KV, {args.requests} requests of "
           f"{args.prompt_tokens}-{args.prompt_tokens + 199} prompt + {args.output_tokens} output "
-          f"tokens, max_num_seqs {args.max_num_seqs}")
+          f"tokens, max_num_seqs {args.max_num_seqs}" + (
+              f"; ulacache's KV budget {args.kv_mib - args.ula_less_mib:g} MiB"
+              if args.ula_less_mib else ""))
     print(f"{'':40s} {'stock vLLM':>14s} {'ulacache':>14s} {'ratio':>8s}")
     for label, key, fmt in rows:
         a, b = s[key], u[key]
@@ -186,6 +197,9 @@ def main() -> None:
         print(f"CSA rows: {c['device_rows']} device rows per layer ({u['csa_device_bytes']:,} B "
               f"in all), demotions {c['demotions']}, promotions {c['promotions']}, settle "
               f"overflows {c['settle_overflows']}")
+        print(f"compressor states kept in the step scratch: {u.get('state_scratch_tokens', 0):,} "
+              f"token-states; the scratch buffer (outside the KV budget) peaked at "
+              f"{u.get('state_scratch_bytes', 0):,} B")
     out = RESULTS / f"v4_capacity{args.tag}.json"
     for r in res.values():
         r.pop("tokens")

@@ -4,8 +4,9 @@ compressors of a model ulacache's v4 line serves (`bind`); no class attribute of
 On a step where some of a state kind's pages are transient (`engine/v4/states.py`: the v4
 line keeps only the last window of a prefill chunk's compressor states in the arena), the
 forward below runs vLLM's two kernels over a scratch buffer instead of the state cache:
-``save_partial_states_cpu`` writes every token's state to the scratch (block size 1, one row
-a token) and the kept ones to the arena; the arena rows before the step that boundaries still
+``save_partial_states_cpu`` writes the kept tokens' states to the arena and, a chunk of the
+step's tokens at a time (with the window before it), every token's state to the scratch
+(block size 1, one row a token); the arena rows before the step that the chunk's boundaries
 read are copied in; ``compress_norm_rope_store_cpu`` (or its indexer twin) reads each
 boundary's window from the scratch. Same inputs, same kernels: the same compressed rows. On
 every other step (no transient page: decode, or prefix caching on) vLLM's own forward runs.
@@ -32,6 +33,10 @@ class Scratch:
     def __init__(self) -> None:
         self.buf = torch.empty(0, dtype=torch.float32)
 
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * 4
+
     def rows(self, n: int, dim: int) -> torch.Tensor:
         if self.buf.numel() < n * dim:
             self.buf = torch.empty(n * dim, dtype=torch.float32)
@@ -55,17 +60,20 @@ def _forward(orig, plans: dict, scratch: Scratch):
                                    dim=-1)
         state_cache = self.state_cache.kv_cache
         save_partial_states_cpu(kv, score, self.ape, positions, state_cache, plan.keep_slots)
-        buf = scratch.rows(plan.rows, state_cache.shape[-1])
-        save_partial_states_cpu(kv, score, self.ape, positions, buf, plan.step_rows)
-        if plan.tail_rows.numel():
-            buf[plan.tail_rows, 0] = state_cache[plan.tail_blocks, plan.tail_offsets]
-        k_md = md[self.k_cache_prefix]
+        k_slots = md[self.k_cache_prefix].slot_mapping
         kv_cache = self._static_forward_context[self.k_cache_prefix].kv_cache
+        kv_2d = kv_cache.view(kv_cache.shape[0], -1)
         store = (compress_norm_rope_store_cpu if self.head_dim == 512
                  else compress_norm_rope_store_indexer_cpu)
-        store(buf, plan.gather, positions, k_md.slot_mapping, self._norm_weight_fp32,
-              self.rms_norm_eps, rotary_emb.cos_sin_cache, kv_cache.view(kv_cache.shape[0], -1),
-              kv_cache.shape[1], self.compress_ratio)
+        for c in plan.chunks:  # (row slices of kv / score: views, no copy)
+            buf = scratch.rows(c.rows, state_cache.shape[-1])
+            save_partial_states_cpu(kv[c.lo:c.end], score[c.lo:c.end], self.ape,
+                                    positions[c.lo:c.end], buf, c.save_rows)
+            if c.tail_rows.numel():
+                buf[c.tail_rows, 0] = state_cache[c.tail_blocks, c.tail_offsets]
+            store(buf, c.gather, positions[c.start:c.end], k_slots[c.start:c.end],
+                  self._norm_weight_fp32, self.rms_norm_eps, rotary_emb.cos_sin_cache, kv_2d,
+                  kv_cache.shape[1], self.compress_ratio)
 
     return forward
 

@@ -73,15 +73,17 @@ def _batch(rng: random.Random, W: int, bs: int):
 @pytest.mark.parametrize("W, bs, ratio", SHAPES)
 def test_every_boundary_reads_the_window_vllm_reads(W, bs, ratio):
     rng = random.Random(W)
-    planned = 0
-    for _ in range(120):
+    planned = chunked = 0
+    for it in range(120):
         reqs, table, cache, slots, pos, req = _batch(rng, W, bs)
-        plan = scratch_plan(slots, table, bs, req, pos, W, ratio)
+        chunk = (37, 200, 512)[it % 3]  # (chunks cut inside requests and windows)
+        plan = scratch_plan(slots, table, bs, req, pos, W, ratio, chunk)
         transient = (slots >= 0) & (slots < bs)
         if not bool(transient.any()):
             assert plan is None
             continue
         planned += 1
+        chunked += len(plan.chunks) > 1
         assert plan.transient == int(transient.sum())
         # save, arena: the kept tokens only, never the null granule
         assert torch.equal(plan.keep_slots[~transient], slots[~transient])
@@ -91,20 +93,27 @@ def test_every_boundary_reads_the_window_vllm_reads(W, bs, ratio):
             if s >= 0:
                 arena[s // bs, s % bs, 0] = _value(int(req[t]), int(pos[t]))
         assert bool((arena[0] == -1).all())  # the null page is never written
-        # save, scratch: every token at its row; the tails copied from the arena
-        scratch = torch.full((plan.rows, 1, 1), -1.0)
-        for t, row in enumerate(plan.step_rows.tolist()):
-            scratch[row, 0, 0] = _value(int(req[t]), int(pos[t]))
-        scratch[plan.tail_rows, 0] = arena[plan.tail_blocks, plan.tail_offsets]
-        # store: every boundary reads its whole window, exactly
-        for t in range(len(pos)):
-            p, r = int(pos[t]), int(req[t])
-            if (p + 1) % ratio:
-                continue
-            got = [float(scratch[g, 0, 0]) if g >= 0 else None for g in plan.gather[t].tolist()]
-            want = [_value(r, q) if q >= 0 else None for q in range(p - W + 1, p + 1)]
-            assert got == want, (reqs, t, p)
-    assert planned > 30
+        covered = []
+        for c in plan.chunks:
+            # save, scratch: tokens lo..end at their rows (the rest stale); the arena's tails
+            scratch = torch.full((c.rows, 1, 1), -7.0)
+            for i, row in enumerate(c.save_rows.tolist()):
+                t = c.lo + i
+                scratch[row, 0, 0] = _value(int(req[t]), int(pos[t]))
+            scratch[c.tail_rows, 0] = arena[c.tail_blocks, c.tail_offsets]
+            # store: every boundary of the chunk reads its whole window, exactly
+            for i, t in enumerate(range(c.start, c.end)):
+                covered.append(t)
+                p, r = int(pos[t]), int(req[t])
+                if (p + 1) % ratio:
+                    continue
+                got = [float(scratch[g, 0, 0]) if g >= 0 else None
+                       for g in c.gather[i].tolist()]
+                want = [_value(r, q) if q >= 0 else None for q in range(p - W + 1, p + 1)]
+                assert got == want, (reqs, t, p)
+            assert c.rows <= chunk + W - 1 + len(reqs) * (W - 1)
+        assert covered == list(range(len(pos)))  # every token once, in order
+    assert planned > 30 and chunked > 5
 
 
 def test_step_positions_from_the_window_metadata():

@@ -27,9 +27,7 @@ from ulacache_vllm.arena.cache import CachedPages
 logger = init_logger("vllm.ulacache.arena")
 
 NULL_KIND = "null"
-# A staged page that holds no bytes: vLLM's manager gets the null block for it (a line's
-# transient pages, e.g. the v4 line's out-of-window compressor states).
-TRANSIENT_VID = -1
+TRANSIENT_VID = -1  # a staged page of no bytes: the null block (e.g. v4's transient states)
 
 
 def _frozen(shape) -> np.ndarray:
@@ -38,8 +36,7 @@ def _frozen(shape) -> np.ndarray:
     return a
 
 
-# The arrays of a plan that places nothing (shared, read-only).
-_NO_VIDS, _NO_NEW = _frozen(0), _frozen((0, 2))
+_NO_VIDS, _NO_NEW = _frozen(0), _frozen((0, 2))  # a plan that places nothing (read-only)
 
 
 @dataclass

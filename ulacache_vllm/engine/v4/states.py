@@ -88,22 +88,37 @@ def install_window_frees(mgr, low: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- worker side
-@dataclass
-class ScratchPlan:
-    """One step's compressor work for one state kind when some of its tokens' pages are
-    transient (shared by every layer of the kind): ``keep_slots`` (the step's state slots,
-    -1 where transient: the arena writes), ``rows`` (scratch rows: the step's tokens, then
-    the tails), ``gather`` ([T, window] scratch rows each token's window reads, -1 none),
-    ``tail_blocks`` / ``tail_offsets`` / ``tail_rows`` (arena rows copied into the scratch
-    before the boundaries read them), ``transient`` (tokens whose state is not kept)."""
+SCRATCH_CHUNK_TOKENS = 512  # the step's tokens go through the scratch this many at a time
 
-    keep_slots: torch.Tensor
-    step_rows: torch.Tensor
+
+@dataclass
+class ScratchChunk:
+    """Tokens ``[start, end)`` of a step through the scratch: the states of tokens ``[lo,
+    end)`` (``lo`` = ``start`` less a window, so every in-step row a boundary reads is there)
+    at rows ``0 ..`` (``save_rows``), then the tails; ``gather`` ([end - start, window]
+    scratch rows each token's window reads, -1 none); ``tail_blocks`` / ``tail_offsets`` /
+    ``tail_rows``: arena rows (kept by the previous step) copied into the scratch."""
+
+    start: int
+    end: int
+    lo: int
     rows: int
+    save_rows: torch.Tensor
     gather: torch.Tensor
     tail_blocks: torch.Tensor
     tail_offsets: torch.Tensor
     tail_rows: torch.Tensor
+
+
+@dataclass
+class ScratchPlan:
+    """One step's compressor work for one state kind when some of its tokens' pages are
+    transient (shared by every layer of the kind): ``keep_slots`` (the step's state slots, -1
+    where transient: what the arena gets), the chunks, and ``transient`` (tokens whose state
+    is not kept)."""
+
+    keep_slots: torch.Tensor
+    chunks: list
     transient: int
 
 
@@ -117,45 +132,52 @@ def step_positions(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
 
 def scratch_plan(slot_mapping: torch.Tensor, block_table: torch.Tensor, block_size: int,
                  token_to_req: torch.Tensor, positions: torch.Tensor, window: int,
-                 ratio: int) -> ScratchPlan | None:
+                 ratio: int, chunk: int = SCRATCH_CHUNK_TOKENS) -> ScratchPlan | None:
     """The step's `ScratchPlan` for one state kind, or None when no token's page is transient
     (vLLM's own compressor path then runs). A transient page is the null page: its slots lie
-    in granule 0, ``[0, block_size)``. Tensor ops over the step's tokens (no per-token loop)."""
+    in granule 0, ``[0, block_size)``. Tensor ops over each chunk's tokens (a request's
+    tokens are contiguous in the step, positions ascending; no per-token loop). The scratch
+    holds at most ``chunk + window - 1`` rows plus one window of tail per request."""
     slot = slot_mapping.long()
     T = slot.shape[0]
     transient = (slot >= 0) & (slot < block_size)
     n_tr = int(transient.sum())
     if n_tr == 0:
         return None
-    keep = slot.masked_fill(transient, -1)
     pos = positions[:T].long()
     req = token_to_req[:T].long()
-    R = int(req.max()) + 1 if T else 0
+    R = int(req.max()) + 1
     first = torch.full((R,), 1 << 62, dtype=torch.int64).scatter_reduce_(0, req, pos, "amin")
-    fpt = first[req]
     W = window
     j = torch.arange(W, dtype=torch.int64)
-    q = pos.unsqueeze(1) - (W - 1) + j  # [T, W] the window's positions
-    in_step = q >= fpt.unsqueeze(1)
-    row_in = torch.arange(T, dtype=torch.int64).unsqueeze(1) - (W - 1) + j
-    # Requests whose boundary tokens read before the step's first token: their tails (the
-    # W - 1 rows before it) come from the arena (pages the previous step kept).
-    boundary = (pos + 1) % ratio == 0
-    reach = boundary & (pos - (W - 1) < fpt) & (fpt > 0)
-    needy = torch.zeros(R, dtype=torch.bool)
-    needy[req[reach]] = True
-    ids = needy.nonzero().squeeze(1)
-    n = ids.numel()
-    base = torch.full((R,), -1, dtype=torch.int64)
-    base[ids] = T + torch.arange(n, dtype=torch.int64) * (W - 1)
-    tail_row = base[req].unsqueeze(1) + (q - (fpt.unsqueeze(1) - (W - 1)))
-    gather = torch.where(in_step, row_in,
-                         torch.where(needy[req].unsqueeze(1), tail_row, torch.full_like(q, -1)))
-    gather = gather.masked_fill(q < 0, -1)
-    local = first[ids].unsqueeze(1) - (W - 1) + torch.arange(W - 1, dtype=torch.int64)
-    valid = local >= 0
-    lc = local.clamp(min=0)
-    blocks = block_table[ids.unsqueeze(1), lc // block_size].long()
-    rows = T + torch.arange(n * (W - 1), dtype=torch.int64).view(n, W - 1)
-    return ScratchPlan(keep, torch.arange(T, dtype=torch.int64), T + n * (W - 1), gather,
-                       blocks[valid], (lc % block_size)[valid], rows[valid], n_tr)
+    back = torch.arange(W - 1, dtype=torch.int64)
+    chunks = []
+    for a in range(0, T, chunk):
+        b = min(T, a + chunk)
+        lo = max(0, a - (W - 1))
+        p, r = pos[a:b], req[a:b]
+        fp = first[r]
+        q = p.unsqueeze(1) - (W - 1) + j  # [n, W] the window's positions
+        in_step = q >= fp.unsqueeze(1)
+        row_in = torch.arange(a - lo, b - lo, dtype=torch.int64).unsqueeze(1) - (W - 1) + j
+        # Requests whose boundary tokens here read before the step's first token: their
+        # tails (the W - 1 rows before it) come from the arena (pages the last step kept).
+        reach = ((p + 1) % ratio == 0) & (p - (W - 1) < fp) & (fp > 0)
+        needy = torch.zeros(R, dtype=torch.bool)
+        needy[r[reach]] = True
+        ids = needy.nonzero().squeeze(1)
+        n = ids.numel()
+        base = torch.full((R,), -1, dtype=torch.int64)
+        base[ids] = (b - lo) + torch.arange(n, dtype=torch.int64) * (W - 1)
+        tail_row = base[r].unsqueeze(1) + (q - (fp.unsqueeze(1) - (W - 1)))
+        gather = torch.where(in_step, row_in, torch.where(
+            needy[r].unsqueeze(1), tail_row, torch.full_like(q, -1))).masked_fill_(q < 0, -1)
+        local = first[ids].unsqueeze(1) - (W - 1) + back
+        valid = local >= 0
+        lc = local.clamp(min=0)
+        blocks = block_table[ids.unsqueeze(1), lc // block_size].long()
+        rows = (b - lo) + torch.arange(n * (W - 1), dtype=torch.int64).view(n, W - 1)
+        chunks.append(ScratchChunk(a, b, lo, (b - lo) + n * (W - 1),
+                                   torch.arange(b - lo, dtype=torch.int64), gather,
+                                   blocks[valid], (lc % block_size)[valid], rows[valid]))
+    return ScratchPlan(slot.masked_fill(transient, -1), chunks, n_tr)

@@ -44,6 +44,7 @@ class V4Worker(ArenaWorker):
         self._plans: dict = {}
         self._ratios: dict = {}
         self.state_scratch_tokens = 0  # tokens whose state stayed in the step scratch
+        self._scratch = None  # (bound at the first step)
 
     def _bind_all(self) -> None:
         from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
@@ -51,7 +52,7 @@ class V4Worker(ArenaWorker):
         from ulacache_vllm.patches.v4_state_scratch import Scratch
         from ulacache_vllm.patches.v4_state_scratch import bind as bind_scratch
 
-        scratch = Scratch()
+        scratch = self._scratch = Scratch()
         for layer in self._ctx.values():  # the scratch first: the CSA rows' wrapper on top
             if isinstance(layer, DeepseekV4CPUAttention) and layer.compress_ratio > 1:
                 comps = [layer.compressor]
@@ -142,4 +143,6 @@ class V4Worker(ArenaWorker):
                       "logical_blocks": p.num_blocks, "steps": self.csa.steps,
                       **self.csa.counters()}
         out["state_scratch_tokens"] = self.state_scratch_tokens
+        # the scratch buffer's size (its largest step so far): memory outside the KV budget
+        out["state_scratch_bytes"] = self._scratch.nbytes if self._scratch is not None else 0
         return out
