@@ -18,8 +18,9 @@ which other requests share its steps (measured: stock with `max_num_seqs=1` and 
 on 3 of 7 long prompts; ulacache equals stock whenever the schedules are equal, and a tighter
 arena, which admits fewer prefills at once, gives the tokens stock gives under that schedule).
 So parity is asserted where both sides schedule alike: the batched phases at a budget that
-admits what stock admits, the pressure on memory one request at a time. Preemption changes the
-schedule and is not compared here.
+admits what stock admits, the pressure on memory one request at a time, and a preemption
+forced alike on both engines (one allocation refused at the same step: vLLM's scheduler
+preempts its last running request, a long prompt, and recomputes it).
 
 Asserted: token-exact greedy output in every phase; the indexer's top-k ran; CSA rows demoted
 and promoted (counters and their `vllm:ulacache_v4_csa_*` series > 0); hits > 0 and at least
@@ -91,8 +92,11 @@ def _prompts() -> dict:  # (made here: the token lists are too long for ARGS)
     # Two at once: one decodes (its boundaries read states from before the step) while the
     # other's prefill chunk runs (its early states out of the window after the step).
     pair = [ids(1400), ids(1700)]
+    # A forced preemption (the same on both engines): the last admitted, a long prompt whose
+    # CSA rows reach the host tier, is preempted mid-decode and recomputed.
+    preempt = [ids(600), ids(2200), ids(2300)]
     return dict(prime=prime, variant=variant, pressure=pressure, abort=abort, tight=tight,
-                pair=pair)
+                pair=pair, preempt=preempt)
 
 P = _prompts()
 def tight():  # prompts near max_model_len, one at a time: the same schedule on every engine
@@ -120,6 +124,27 @@ for i, p in enumerate(P["pressure"][:3]):  # one at a time: the same schedule on
 tight()
 run("after", P["prime"][:2], ARGS["out"])
 res["usage_pressure"] = usage()
+
+# Preemption changes the schedule (stock V4 is not schedule-invariant), so both engines get
+# the same one: once the first request has decoded 6 tokens, its next allocation fails once and
+# vLLM's scheduler preempts its last running request (then retries). Each engine's own memory
+# admits the whole batch, so this is the only preemption (asserted by the count).
+sched = llm.llm_engine.engine_core.engine_core.scheduler
+kvm = sched.kv_cache_manager
+alloc = kvm.allocate_slots
+fired = []
+def failing_once(request, *a, **k):
+    if (not fired and len(sched.running) >= 2
+            and request.num_computed_tokens >= request.num_prompt_tokens + 6):
+        fired.append((request.num_computed_tokens, sched.running[-1].num_prompt_tokens))
+        return None
+    return alloc(request, *a, **k)
+kvm.allocate_slots = failing_once
+preempted0 = metric("vllm:num_preemptions")
+run("preempt", P["preempt"], ARGS["out"] + 8)
+kvm.allocate_slots = alloc
+res["preempt_fired"] = fired
+res["preemptions"] = metric("vllm:num_preemptions") - preempted0
 prompts = [{"prompt_token_ids": p} for p in P["abort"]]
 abort_tokens = 24
 """ + ABORT_TWO_OF_FOUR + r"""
@@ -133,7 +158,7 @@ res["topk_calls"] = topk_calls[0]
 
 TIGHT = ("tight0", "tight1", "tight2", "tight3")
 PHASES = ("prime", "resend", "variant", "pressure", "seq0", "seq1", "seq2", *TIGHT, "after",
-          "after_reset")
+          "preempt", "after_reset")
 
 
 @pytest.fixture(scope="module")
@@ -211,6 +236,12 @@ def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
     if tight["prefix_caching"]:  # room made from cached pages
         assert tight["metrics"]["vllm:ulacache_arena_cache_evictions"] > 0, tight["metrics"]
     assert tight["reset_ok"] and tight["usage_end"]["arena_live_pages"] == 0, tight["usage_end"]
+    # The forced preemption hit the same request at the same step on both engines, and only it
+    # (a long prompt, recomputed: its freed rows and pages and its resumption token-exact).
+    assert ula["preempt_fired"] == ref["preempt_fired"] and len(ref["preempt_fired"]) == 1, \
+        (ula["preempt_fired"], ref["preempt_fired"])
+    assert ref["preempt_fired"][0][1] == 2300, ref["preempt_fired"]
+    assert ula["preemptions"] == ref["preemptions"] == 1, (ula["preemptions"], ref["preemptions"])
     check_aborts(ref)
     check_aborts(ula, ref)
     assert ula["after_reset_cached"] == [0] == ref["after_reset_cached"]
