@@ -37,20 +37,19 @@ def _per_engine(text: str, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def all_servers(tiny_model, tmp_path_factory):
-    """The module's three servers, booted at the same time (their start-up overlaps; both tests
-    need all three): a ulacache DP=2 server, a stock single-rank server, and a ulacache DP=2
-    server with vLLM's prefix caching on (the reference path's flags turn it off; the later
-    flag wins). Yields {"ula", "stock", "ula_prefix"}: (base URL, model, log). At the end every
-    server is sent SIGTERM before any is waited for, so their shutdowns overlap too."""
+    """The module's two servers, booted at the same time (their start-up overlaps; both tests
+    need both): a ulacache DP=2 server with vLLM's prefix caching on (the reference path's
+    flags turn it off; the later flag wins) and a stock single-rank server. One DP server
+    serves both tests (suite time: each DP server is two engine cores). Yields {"ula",
+    "stock"}: (base URL, model, log). At the end every server is sent SIGTERM before any is
+    waited for, so their shutdowns overlap too."""
     model = tiny_model("deepseek_v32", first_k_dense_replace=2)  # both layers dense MLP
     d = tmp_path_factory.mktemp("serve_dp")
     specs = {
         "ula": dict(model=model, log=d / "serve.log", env_extra=HOLDABLE_ENV,
-                    extra_args=["--data-parallel-size", "2", *HOLDABLE_ARGS]),
+                    extra_args=["--data-parallel-size", "2", "--enable-prefix-caching",
+                                *HOLDABLE_ARGS]),
         "stock": dict(model=model, log=d / "stock.log", extra_args=[], backend="vllm"),
-        "ula_prefix": dict(model=model, log=d / "serve_prefix.log", env_extra=HOLDABLE_ENV,
-                           extra_args=["--data-parallel-size", "2", "--enable-prefix-caching",
-                                       *HOLDABLE_ARGS]),
     }
     procs = {}
     try:
@@ -68,6 +67,14 @@ def all_servers(tiny_model, tmp_path_factory):
             _stop(proc)
 
 
+def _reset_prefix_caches(base, timeout: float = 60) -> None:
+    """vLLM's dev endpoint resets every rank's prefix cache (retried while blocks are held)."""
+    deadline = time.time() + timeout
+    while not requests.post(base + "/reset_prefix_cache", timeout=30).json()["success"]:
+        assert time.time() < deadline, "reset_prefix_cache kept failing"
+        time.sleep(1)
+
+
 @pytest.fixture(scope="module")
 def dp_servers(all_servers):
     """(ulacache DP=2 server: base URL, model, log), stock single-rank server's base URL."""
@@ -81,6 +88,9 @@ def test_dp_ranks_equal_stock_and_move_their_own_tiers(dp_servers):
     (base, model, log), stock = dp_servers
     before = requests.get(base + "/metrics", timeout=10).text
     concurrent_greedy(base, model, n=16, growth=8, stock=stock, log=log)
+    # Prefix caching is on: the finished requests' blocks stay cached with their rows until
+    # the cache is reset (on every rank).
+    _reset_prefix_caches(base)
     text = _pools_back_to_zero(base)
     cap = _per_engine(text, "vllm:ulacache_device_capacity")
     assert set(cap) == {"0", "1"} and all(v > 0 for v in cap.values()), text[-3000:]
@@ -98,8 +108,8 @@ def test_dp_ranks_equal_stock_and_move_their_own_tiers(dp_servers):
 
 @pytest.fixture(scope="module")
 def dp_prefix_server(all_servers):
-    """A ulacache DP=2 server with vLLM's prefix caching on: base URL, model, log."""
-    return all_servers["ula_prefix"]
+    """The ulacache DP=2 server (vLLM's prefix caching on): base URL, model, log."""
+    return all_servers["ula"]
 
 
 def _shared_prefix_waves() -> list[list[str]]:
