@@ -47,7 +47,7 @@ def _worker(cfg: dict) -> dict:
     llm = LLM(model=cfg["model"], dtype="bfloat16", enforce_eager=True, seed=0,
               max_model_len=cfg["max_model_len"], max_num_seqs=cfg["max_num_seqs"],
               kv_cache_memory_bytes=cfg["kv_bytes"], kv_backend=cfg["backend"],
-              enable_prefix_caching=False, disable_log_stats=False,
+              enable_prefix_caching=cfg.get("prefix_caching", False), disable_log_stats=False,
               **({"ula_v4_csa_device_rows": cfg["csa_device_rows"]}
                  if cfg["backend"] == "ulacache" and cfg.get("csa_device_rows") else {}))
     eng = llm.llm_engine
@@ -59,9 +59,10 @@ def _worker(cfg: dict) -> dict:
     block_bytes = (max(t.block_stride for t in kvc.kv_cache_tensors) if not ula else None)
 
     def used_bytes() -> int:
-        if ula:
-            a = sched.kv_cache_manager.arena
-            return int(a.used_bytes - a.page_bytes[0])  # (the null page: never a request's)
+        if ula:  # (the null page: never a request's; cached free pages: free, as stock's)
+            mgr = sched.kv_cache_manager
+            a = mgr.arena
+            return int(a.used_bytes - a.page_bytes[0] - mgr._state.cached_free_bytes())
         return (pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()) * block_bytes
 
     rng = random.Random(cfg["seed"])
@@ -141,6 +142,9 @@ def main() -> None:
     ap.add_argument("--ula-less-mib", type=float, default=0.0,
                     help="ulacache's KV budget this much smaller than stock's (e.g. its state "
                     "scratch, for equal total memory)")
+    ap.add_argument("--prefix-caching", action="store_true",
+                    help="vLLM's prefix caching on for both (its default for V4 on AMX hosts; "
+                    "the prompts share nothing, so what it changes is what each side keeps)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.worker:
@@ -162,7 +166,8 @@ def main() -> None:
     base = dict(model=model, kv_bytes=args.kv_mib * MiB, requests=args.requests,
                 prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=0,
-                timeout=1800, csa_device_rows=args.csa_device_rows)
+                timeout=1800, csa_device_rows=args.csa_device_rows,
+                prefix_caching=args.prefix_caching)
     ula_kv = int((args.kv_mib - args.ula_less_mib) * MiB)
     res = {b: _spawn({**base, "backend": b, **({"kv_bytes": ula_kv} if b == "ulacache" else {})})
            for b in ("vllm", "ulacache")}
@@ -180,7 +185,8 @@ def main() -> None:
             ("output tok/s", "out_tok_s", "{:.1f}")]
     print(f"\nDeepSeek-V4 (tiny, layers {args.compress_ratios or '0,4,128'}) at {args.kv_mib} MiB KV, {args.requests} requests of "
           f"{args.prompt_tokens}-{args.prompt_tokens + 199} prompt + {args.output_tokens} output "
-          f"tokens, max_num_seqs {args.max_num_seqs}" + (
+          f"tokens, max_num_seqs {args.max_num_seqs}, prefix caching "
+          f"{'on' if args.prefix_caching else 'off'}" + (
               f"; ulacache's KV budget {args.kv_mib - args.ula_less_mib:g} MiB"
               if args.ula_less_mib else ""))
     print(f"{'':40s} {'stock vLLM':>14s} {'ulacache':>14s} {'ratio':>8s}")

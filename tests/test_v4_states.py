@@ -164,3 +164,50 @@ def test_window_frees_skip_the_transient_null_blocks_and_free_every_real_page():
     assert len(freed) == 2
     mgr.free("a")
     assert sorted(b.i for b in freed) == [548, 549, 748, 749] and "a" not in low
+
+
+def test_with_prefix_caching_the_tails_vllm_hashes_keep_their_pages():
+    """With prefix caching on (retention 0), the pages vLLM's own mask will hash are not
+    transient: the window's tail before the prompt's replay boundary (and a junction)."""
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from ulacache_vllm.engine.v4.manager import V4KVCacheManager
+    from ulacache_vllm.engine.v4.sizing import state_request_pages
+    from ulacache_vllm.engine.v4.states import transient_states
+
+    spec = SlidingWindowSpec(block_size=8, num_kv_heads=1, head_size=1024,
+                             dtype=torch.float32, sliding_window=128)
+    mgr = SimpleNamespace(reachable_block_mask=SlidingWindowManager.reachable_block_mask,
+                          cache_hit_alignment_tokens=256, kv_cache_spec=spec, use_eagle=False,
+                          dcp_world_size=1)
+    marks = ("kind", [1])
+    me = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=[mgr],
+                                                     scheduler_block_size=256,
+                                                     retention_interval=0),
+                         _state=SimpleNamespace(reach_marks=marks))
+    me._boundaries = lambda r: V4KVCacheManager._boundaries(me, r)
+    # A first chunk of a 2200-token prompt: pages 0..258 lie before the last window; the
+    # replay boundary 2199 aligns to 2048, whose hit reads the 16 pages before it (240..255).
+    req = SimpleNamespace(num_prompt_tokens=2200, shared_prefix_boundary=None)
+    kept = V4KVCacheManager._kept(me, req, 1, 0, 259)
+    assert [i for i, k in enumerate(kept) if k] == list(range(240, 256))
+    assert me._state.reach_marks is marks  # the arena's marks untouched
+    # A junction at 1000 (aligned 768) keeps the 16 pages before page 96 too.
+    req.shared_prefix_boundary = 1000
+    kept = V4KVCacheManager._kept(me, req, 1, 0, 259)
+    assert [i for i, k in enumerate(kept) if k] == [*range(80, 96), *range(240, 256)]
+    # A later chunk past both boundaries keeps nothing below its window.
+    assert not any(V4KVCacheManager._kept(me, req, 1, 275, 200))
+    # Retention other than 0 keeps every page (no transient states); the sizing counts a
+    # window plus two hits' tails with caching on, a window without it.
+    assert transient_states(False, None, False) and transient_states(True, 0, False)
+    assert not transient_states(True, None, False) and not transient_states(True, 256, False)
+    assert not transient_states(True, 0, True)
+    names = ("model.layers.1.attn.compressor.state_cache",)
+    cc = lambda caching, retention: SimpleNamespace(cache_config=SimpleNamespace(  # noqa: E731
+        enable_prefix_caching=caching, prefix_cache_retention_interval=retention))
+    assert state_request_pages(cc(True, 0))(names, spec) == 17 + 2 * 16
+    assert state_request_pages(cc(False, 0))(names, spec) == 17
+    assert state_request_pages(cc(True, 0))(("model.layers.1.attn.swa_cache",), spec) is None
+    assert state_request_pages(cc(True, 512))(names, spec) is None

@@ -186,10 +186,13 @@ def _alignment(page_sizes: list[int], total: int, min_block_stride: int = 0) -> 
 
 
 def plan_arena(vllm_config, specs: dict, available_bytes: int, settings: UlaSettings,
-               strided_layers=lambda name: False) -> tuple[ArenaLayout, list]:
+               strided_layers=lambda name: False,
+               request_pages=lambda names, spec: None) -> tuple[ArenaLayout, list]:
     """(layout, [(layer names, spec)] per group) for one worker's specs and KV budget.
     ``strided_layers(name)``: the layer's kernel refuses a view whose block stride is smaller
-    than its page (the granule then grows to that page)."""
+    than its page (the granule then grows to that page). ``request_pages(names, spec)``: the
+    pages a group's request holds at most where a line knows better than the spec (None: the
+    spec's own figure)."""
     max_model_len = vllm_config.model_config.max_model_len
     grouped = group_specs(specs)
     counts: dict[str, int] = {}
@@ -210,6 +213,9 @@ def plan_arena(vllm_config, specs: dict, available_bytes: int, settings: UlaSett
             # Pages held at once ("align" mode: the running state, the previous one until
             # it is freed, checkpoints; its block-table row is longer, mostly null).
             per_req = -(-spec.max_memory_usage_bytes(vllm_config) // spec.page_size_bytes)
+        own = request_pages(tuple(names), spec)
+        if own is not None:
+            per_req = min(per_req, own)
         out.append(ArenaGroup(kind, band, tuple(names), spec.page_size_bytes, spec.block_size,
                               int(per_req), zeroed=base != "sliding"))
     pages = [g.layer_page_bytes for g in out] + [g.page_bytes for g in out]

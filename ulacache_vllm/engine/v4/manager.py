@@ -10,10 +10,12 @@ quota) for the CSA rows; a CSA demand that does not fit defers the request (vLLM
 or preempts, as for arena bytes). The CSA kind has no arena bytes. Dead CSA blocks travel to
 the worker in the step payload, which frees their rows before the step's forward.
 
-With prefix caching off, a prefill chunk's compressor-state pages that lie before the last
-window of the step are transient (`states.py`): vLLM's manager gets the null block for them,
-the arena places only the rest, and the admission gate counts a state kind at one window of
-pages per request.
+A prefill chunk's compressor-state pages that lie before the last window of the step are
+transient (`states.py`): vLLM's manager gets the null block for them, the arena places only
+the rest, and the admission gate counts a state kind at one window of pages per request. With
+prefix caching on (retention 0, stock's default), the pages vLLM's own mask will hash (a
+window's tail before the replay boundary or a junction: what a later hit reads) are not
+transient, and the gate counts those tails too.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from dataclasses import dataclass
 from ..arena.manager import ArenaKVCacheManager
 from ..arena.pools import TRANSIENT_VID, ArenaState, ArenaStepPlan
 from ..dsa.manager import DsaBlockPool
-from .states import install_window_frees, is_state_group, transient_pages, window_pages
+from .states import (install_window_frees, is_state_group, transient_pages, transient_states,
+                     window_pages)
 
 
 @dataclass
@@ -47,16 +50,20 @@ class V4KVCacheManager(ArenaKVCacheManager):
         mgr.block_pool = pool
         mgr._null_block = pool.null_block
         self.csa_pool = pool
-        # Compressor-state kinds whose out-of-window pages are transient (`states.py`): only
-        # with prefix caching off (a cached state page must hold its bytes). kind -> (window,
-        # block size); the pages handed as transient so far; this step's pending ones.
+        # Compressor-state kinds whose out-of-window pages are transient (`states.py`). With
+        # prefix caching on, the pages vLLM's retention rule hashes (the window's tail before
+        # a replay boundary or a junction) hold their bytes: only under retention 0, stock's
+        # default (a denser rule keeps every page). kind -> (window, block size); the pages
+        # handed as transient so far; this step's pending ones (a transient flag per new page).
         self._states: dict[int, tuple[int, int]] = {}
-        self._transient: dict[int, int] = {}
+        self._transient: dict[int, list[bool]] = {}
         self.transient_state_pages = 0
-        if not self.enable_caching:
+        co = self.coordinator
+        if transient_states(self.enable_caching, co.retention_interval,
+                            bool(co.eagle_group_ids)):
             for i, g in enumerate(self.layout.groups):
                 if is_state_group(g.layer_names):
-                    m = self.coordinator.single_type_managers[i]
+                    m = co.single_type_managers[i]
                     self._states[i + 1] = (m.sliding_window, m.block_size)
                     install_window_frees(m, {})
 
@@ -75,30 +82,75 @@ class V4KVCacheManager(ArenaKVCacheManager):
             n = out.get(k, 0)
             if not n or n >= ArenaState.DEFER:
                 continue
-            if cap:  # the admission gate: one window of pages, whatever the chunk
-                out[k] = min(n, window_pages(window, bs))
+            if cap:  # the admission gate: one window of pages (and the kept tails)
+                out[k] = min(n, window_pages(window, bs) + self._kept_tail_pages(request, k))
                 continue
             first_new = -(-num_tokens_need_slot // bs) - n  # vLLM's allocate_new_blocks
             tr = transient_pages(first_new, n, num_tokens_main_model, window, bs)
+            if not tr:
+                continue
+            flags = [True] * tr + [False] * (n - tr)
+            if self.enable_caching:
+                kept = self._kept(request, k, first_new, tr)
+                if kept is None:
+                    continue
+                flags[:tr] = [not m for m in kept]
+            tr = sum(flags)
             if tr:
-                self._transient[k] = tr
+                self._transient[k] = flags
                 if n == tr:
                     del out[k]
                 else:
                     out[k] = n - tr
         return out
 
+    def _boundaries(self, request) -> list[int]:
+        """The positions vLLM's `cache_blocks` keeps a window's tail before (its own rule)."""
+        from vllm.v1.core.kv_cache_coordinator import replay_boundaries
+
+        out = [*replay_boundaries(request.num_prompt_tokens,
+                                  self.coordinator.scheduler_block_size, use_eagle=False)]
+        if request.shared_prefix_boundary:
+            out.append(request.shared_prefix_boundary)
+        return out
+
+    def _kept(self, request, kind: int, first: int, count: int) -> list[bool] | None:
+        """Which of a state kind's pages ``first .. first + count`` vLLM will hash (the
+        manager's own mask, as `cache_blocks` calls it; the arena's reach marks untouched):
+        those hold their bytes. None: every page."""
+        mgr = self.coordinator.single_type_managers[kind - 1]
+        marks = self._state.reach_marks
+        try:
+            return mgr.reachable_block_mask(
+                start_block=first, end_block=first + count,
+                alignment_tokens=mgr.cache_hit_alignment_tokens, kv_cache_spec=mgr.kv_cache_spec,
+                use_eagle=mgr.use_eagle, retention_interval=self.coordinator.retention_interval,
+                reachable_boundaries=self._boundaries(request),
+                dcp_world_size=mgr.dcp_world_size)
+        finally:
+            self._state.reach_marks = marks
+
+    def _kept_tail_pages(self, request, kind: int) -> int:
+        """The pages a step may keep below the window with prefix caching on: a hit's
+        contiguous pages before each boundary (vLLM's ``cdiv(window - 1, block)``)."""
+        if not self.enable_caching:
+            return 0
+        window, bs = self._states[kind]
+        return len(self._boundaries(request)) * -(-(window - 1) // bs)
+
     def _place(self, demands, watermark, hit_bytes, keep) -> bool:
         """The arena's placement of the real pages, then this step's transient state pages
-        staged before them (a state kind's new pages ascend by position: the transient ones
-        come first)."""
+        staged among them (a state kind's new pages ascend by position; the arena's vids
+        fill the pages not transient, in order)."""
         transient, self._transient = self._transient, {}
         if not super()._place(demands, watermark, hit_bytes, keep):
             return False
         staged = self._state.staged
-        for k, n in transient.items():
-            staged[k] = [TRANSIENT_VID] * n + staged.get(k, [])
-            self.transient_state_pages += n
+        for k, flags in transient.items():
+            real = iter(staged.get(k, ()))
+            staged[k] = [TRANSIENT_VID if t else next(real) for t in flags]
+            assert next(real, None) is None, "v4 states: more pages placed than staged"
+            self.transient_state_pages += sum(flags)
         return True
 
     def take_step(self) -> V4StepPayload:

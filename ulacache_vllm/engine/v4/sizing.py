@@ -117,13 +117,36 @@ def plan_csa(vllm_config: Any, csa: dict, group: int, settings: UlaSettings) -> 
     return CsaRowsPlan(group, names, rpb, row, device_rows, host_rows, num_blocks)
 
 
+def state_request_pages(vllm_config: Any) -> Callable:
+    """The compressor-state pages a request holds at most under the v4 line (`states.py`):
+    one window, and with prefix caching on a hit's tail before each of the two boundaries
+    vLLM's retention rule keeps (the replay boundary, a junction); not the window plus a
+    step's in-flight tokens vLLM's spec counts, since those pages are transient. None where
+    the states keep their pages (a retention rule other than stock's 0)."""
+    from .states import is_state_group, transient_states, window_pages
+
+    cc = vllm_config.cache_config
+    if not transient_states(bool(cc.enable_prefix_caching), cc.prefix_cache_retention_interval,
+                            False):
+        return lambda names, spec: None
+
+    def pages(names, spec):
+        if not is_state_group(names):
+            return None
+        tails = 2 * -(-(spec.sliding_window - 1) // spec.block_size) \
+            if cc.enable_prefix_caching else 0
+        return window_pages(spec.sliding_window, spec.block_size) + tails
+    return pages
+
+
 def _too_small(vllm_config: Any, rest: dict, avail: int, csa: CsaRowsPlan,
                settings: UlaSettings) -> str:
     """The startup error of a KV budget that cannot hold the CSA device rows and an arena
     for one request of max_model_len, with the budget that does."""
     from ..arena import sizing as arena_sizing
 
-    probe, _ = arena_sizing.plan_arena(vllm_config, rest, 1 << 40, settings, strided_layer)
+    probe, _ = arena_sizing.plan_arena(vllm_config, rest, 1 << 40, settings, strided_layer,
+                                       state_request_pages(vllm_config))
     page = -(-max(g.page_bytes for g in probe.groups) // probe.alignment) * probe.alignment
     arena = probe.request_bytes() + probe.null_page_bytes + page + probe.alignment
     return (f"ulacache v4: the KV budget of {avail} bytes must hold the CSA device rows "
@@ -193,7 +216,8 @@ def get_kv_cache_configs(orig: Callable, vllm_config: Any, kv_cache_specs: list[
             try:
                 layout, grouped = arena_sizing.plan_arena(vllm_config, rest,
                                                           avail - probe.device_bytes, settings,
-                                                          strided_layer)
+                                                          strided_layer,
+                                                          state_request_pages(vllm_config))
             except KVBackendError:
                 raise KVBackendError(_too_small(vllm_config, rest, avail, probe, settings)) \
                     from None

@@ -10,9 +10,11 @@ state pages per layer kind that nothing reads after the step: on the tiny 8-laye
 256 MiB that transient, not the decoding requests, bounded the arena (0.50 of the physical
 bound, `benchmarks/results/v4_capacity.md`).
 
-Here, with prefix caching off (a cached state page must hold its bytes; with caching on
-nothing changes), a chunk's state pages that lie wholly before the last window of the
-tokens computed after the step (``main - window + 1``) are **transient**: the scheduler hands
+Here a chunk's state pages that lie wholly before the last window of the tokens computed
+after the step (``main - window + 1``), except those vLLM will hash with prefix caching on (a
+cached page must hold its bytes: under stock's retention 0, the window's tail before the
+prompt's replay boundary and before a shared-prefix junction, `manager._kept`), are
+**transient**: the scheduler hands
 vLLM's manager the null block for them (no arena bytes; the admission gate counts a state
 kind at one window of pages per request), and the worker runs that step's compressors over a
 scratch buffer (`scratch_plan`, `patches/v4_state_scratch`): every token's state is written
@@ -20,8 +22,9 @@ to the scratch and, for the kept pages, to the arena; each boundary reads its wi
 scratch (this step's tokens) and from the rows before the step copied in (the tail the arena
 kept). Same state values, same kernels: the same compressed rows, bit for bit.
 
-Invariants: transient pages are a prefix of a step's new pages of a state kind (positions
-ascend) and the pages before the last window of a step are all transient or freed, so vLLM's
+Invariants: transient pages lie before the last window of a step's new pages of a state kind
+(positions ascend; kept tails may sit among them) and the pages before the last window of a
+step are all transient or freed (cached, if hashed) after it, so vLLM's
 window frees (which stop at the first null block going backwards) are replaced by one that
 frees every real page below the window from a per-request low-water mark
 (`install_window_frees`); a transient page's slots are never written or read (the worker
@@ -39,6 +42,13 @@ STATE_SUFFIX = "compressor.state_cache"  # vLLM's V4 names its compressor state 
 def is_state_group(layer_names) -> bool:
     """A KV cache group of V4 compressor states (vLLM's `CompressorStateCache` layers)."""
     return bool(layer_names) and all(n.endswith(STATE_SUFFIX) for n in layer_names)
+
+
+def transient_states(caching: bool, retention: int | None, eagle: bool) -> bool:
+    """Whether a step's out-of-window state pages are transient: always without prefix
+    caching; with it, only under vLLM's retention 0 (stock's default: tails kept at the
+    replay boundary and a junction only) and without an EAGLE peek."""
+    return not caching or (retention == 0 and not eagle)
 
 
 def window_pages(window: int, block_size: int) -> int:
