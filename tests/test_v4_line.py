@@ -95,8 +95,12 @@ def _prompts() -> dict:  # (made here: the token lists are too long for ARGS)
     # A forced preemption (the same on both engines): the last admitted, a long prompt whose
     # CSA rows reach the host tier, is preempted mid-decode and recomputed.
     preempt = [ids(600), ids(2200), ids(2300)]
+    # Siblings: one prefix, other tails, one at a time (vLLM learns the shared-prefix junction
+    # and keeps the window's tail there; the third and later hit it).
+    shared = ids(1500)
+    siblings = [shared + ids(120 + 40 * i) for i in range(4)]
     return dict(prime=prime, variant=variant, pressure=pressure, abort=abort, tight=tight,
-                pair=pair, preempt=preempt)
+                pair=pair, preempt=preempt, siblings=siblings)
 
 P = _prompts()
 def tight():  # prompts near max_model_len, one at a time: the same schedule on every engine
@@ -117,6 +121,8 @@ run("prime", P["prime"], ARGS["out"])
 res["topk_calls_prime"] = topk_calls[0]
 run("resend", P["prime"], ARGS["out"])
 run("variant", P["variant"], ARGS["out"])
+for i, p in enumerate(P["siblings"]):
+    run(f"sib{i}", [p], ARGS["out"])
 res["usage_hits"] = usage()
 run("pressure", P["pressure"], ARGS["pressure_out"])
 for i, p in enumerate(P["pressure"][:3]):  # one at a time: the same schedule on both sides
@@ -157,8 +163,9 @@ res["topk_calls"] = topk_calls[0]
 """ + EMIT_WITH_METRICS
 
 TIGHT = ("tight0", "tight1", "tight2", "tight3")
-PHASES = ("prime", "resend", "variant", "pressure", "seq0", "seq1", "seq2", *TIGHT, "after",
-          "preempt", "after_reset")
+SIBLINGS = ("sib0", "sib1", "sib2", "sib3")
+PHASES = ("prime", "resend", "variant", *SIBLINGS, "pressure", "seq0", "seq1", "seq2", *TIGHT,
+          "after", "preempt", "after_reset")
 
 
 @pytest.fixture(scope="module")
@@ -229,6 +236,11 @@ def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
             assert all(u >= r for u, r in zip(ula[p + "_cached"], ref[p + "_cached"])), \
                 (p, ula[p + "_cached"], ref[p + "_cached"])
         assert sum(ula["resend_cached"]) > 0 and ula["variant_cached"][0] > 0, ula
+        # The siblings hit at the junction vLLM learnt (the window's tail kept there while
+        # the prefill's other states went through the scratch), at least as stock does.
+        sib = [ula[p + "_cached"][0] for p in SIBLINGS]
+        sib_ref = [ref[p + "_cached"][0] for p in SIBLINGS]
+        assert all(u >= r for u, r in zip(sib, sib_ref)) and sum(sib) > 0, (sib, sib_ref)
     m = ula["metrics"]
     assert m["vllm:ulacache_arena_bytes_copied"] > 0, m  # the forced moves ran
     # The CSA rows' tiers ran: rows demoted to the host and promoted back, under pressure.
