@@ -5,8 +5,10 @@ of 900 rows per layer, so long prompts' rows are demoted to the host pool and de
 some back; every other V4 cache an arena kind at its natural page size, forced
 compactions/relayouts every other step) and one stock engine run the same token-id prompts,
 side by side: distinct prompts over 2048 tokens (the real indexer: top 512 of the compressed
-rows) beside short ones, identical resends and next-turn prompts (prefix hits where vLLM's
-platform has prefix caching on, as on AMX hosts, or asked), a batch of long prompts and
+rows) beside short ones, identical resends, next-turn prompts and siblings sharing a prefix
+(prefix hits where vLLM's platform has prefix caching on, as on AMX hosts, or asked: at the
+replay boundary and at the junction vLLM learns, where the compressor states' window tails stay
+in the arena while a prefill's other states go through the step scratch), a batch of long prompts and
 outputs, the same prompts one at a time, prompts near `max_model_len` one at a time (also
 through a second arena barely above one such request: cached pages evicted; and a third
 with prefix caching off, where a prefill chunk's compressor states out of the window after
