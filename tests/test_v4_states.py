@@ -207,6 +207,9 @@ def test_with_prefix_caching_the_tails_vllm_hashes_keep_their_pages():
     names = ("model.layers.1.attn.compressor.state_cache",)
     cc = lambda caching, retention: SimpleNamespace(cache_config=SimpleNamespace(  # noqa: E731
         enable_prefix_caching=caching, prefix_cache_retention_interval=retention))
+    from ulacache_vllm.engine.v4.states import hit_tail_pages
+    for w, b in ((128, 8), (8, 4)):  # vLLM's own count of a hit's pages
+        assert hit_tail_pages(w, b) == SlidingWindowManager._contiguous_blocks_for_hit(w, b, False)
     assert state_request_pages(cc(True, 0))(names, spec) == 17 + 2 * 16
     assert state_request_pages(cc(False, 0))(names, spec) == 17
     assert state_request_pages(cc(True, 0))(("model.layers.1.attn.swa_cache",), spec) is None

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from ..arena.manager import ArenaKVCacheManager
 from ..arena.pools import TRANSIENT_VID, ArenaState, ArenaStepPlan
 from ..dsa.manager import DsaBlockPool
-from .states import (install_window_frees, is_state_group, transient_pages, transient_states,
-                     window_pages)
+from .states import (hit_tail_pages, install_window_frees, is_state_group, transient_pages,
+                     transient_states, window_pages)
 
 
 @dataclass
@@ -132,11 +132,10 @@ class V4KVCacheManager(ArenaKVCacheManager):
 
     def _kept_tail_pages(self, request, kind: int) -> int:
         """The pages a step may keep below the window with prefix caching on: a hit's
-        contiguous pages before each boundary (vLLM's ``cdiv(window - 1, block)``)."""
+        contiguous pages before each boundary."""
         if not self.enable_caching:
             return 0
-        window, bs = self._states[kind]
-        return len(self._boundaries(request)) * -(-(window - 1) // bs)
+        return len(self._boundaries(request)) * hit_tail_pages(*self._states[kind])
 
     def _place(self, demands, watermark, hit_bytes, keep) -> bool:
         """The arena's placement of the real pages, then this step's transient state pages

@@ -123,7 +123,7 @@ def state_request_pages(vllm_config: Any) -> Callable:
     vLLM's retention rule keeps (the replay boundary, a junction); not the window plus a
     step's in-flight tokens vLLM's spec counts, since those pages are transient. None where
     the states keep their pages (a retention rule other than stock's 0)."""
-    from .states import is_state_group, transient_states, window_pages
+    from .states import hit_tail_pages, is_state_group, transient_states, window_pages
 
     cc = vllm_config.cache_config
     if not transient_states(bool(cc.enable_prefix_caching), cc.prefix_cache_retention_interval,
@@ -133,7 +133,7 @@ def state_request_pages(vllm_config: Any) -> Callable:
     def pages(names, spec):
         if not is_state_group(names):
             return None
-        tails = 2 * -(-(spec.sliding_window - 1) // spec.block_size) \
+        tails = 2 * hit_tail_pages(spec.sliding_window, spec.block_size) \
             if cc.enable_prefix_caching else 0
         return window_pages(spec.sliding_window, spec.block_size) + tails
     return pages

@@ -51,6 +51,13 @@ def transient_states(caching: bool, retention: int | None, eagle: bool) -> bool:
     return not caching or (retention == 0 and not eagle)
 
 
+def hit_tail_pages(window: int, block_size: int) -> int:
+    """The contiguous pages a prefix hit reads before its boundary (vLLM's
+    ``SlidingWindowManager._contiguous_blocks_for_hit`` without EAGLE): what prefix caching
+    keeps of a state kind below the window, per kept boundary."""
+    return -(-(window - 1) // block_size)
+
+
 def window_pages(window: int, block_size: int) -> int:
     """State pages one request holds at most when only the last window is kept: the pages
     a window of ``window - 1`` earlier tokens and the next token can span."""
