@@ -330,6 +330,23 @@ def host_has_amx() -> bool:
         bool(torch.cpu._is_amx_tile_supported())
 
 
+def host_runs_v4() -> bool:
+    """Whether vLLM's CPU build can run DeepSeek-V4 on this host: its kernels exist only in the
+    library vLLM loads on x86 CPUs with AVX512-BF16 (the probe `patches/v4_cpu_isa` refuses V4
+    by). On other x86 hosts (AVX2 only, or AVX-512 without BF16) V4 is refused at startup."""
+    import platform
+
+    from ulacache_vllm.patches.v4_cpu_isa import host_has_avx512_bf16
+
+    return platform.machine().lower() not in ("x86_64", "amd64") or host_has_avx512_bf16()
+
+
+# The reason a V4 engine test gives where the host cannot run V4 at all: there the engines'
+# refusal is what is checked (test_deepseek_v4.py::test_v4_refused_without_avx512_bf16).
+NO_V4_KERNELS = ("DeepSeek-V4's CPU kernels need AVX512-BF16, which this CPU lacks: its engines "
+                 "are refused here (test_v4_refused_without_avx512_bf16 checks the refusal)")
+
+
 # The two CPU MLA paths of vLLM's CPU build, as the scheduler and cache choices a DSA model
 # gets by default on each kind of host (README, "CPU hosts"). Pinning them makes a test run the
 # same schedule on every host; "host" leaves vLLM's defaults (whichever path this host takes).

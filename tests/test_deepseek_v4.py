@@ -31,7 +31,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from _vllm_subprocess import run_side_by_side, run_vllm_script
+from _vllm_subprocess import NO_V4_KERNELS, host_runs_v4, run_side_by_side, run_vllm_script
 
 V4 = "deepseek_v4"
 LONG_TOKENS = 2400  # > 4 x index_topk (2048): the indexer's top-k is real
@@ -210,7 +210,14 @@ def test_avx512_bf16_required(monkeypatch):
 
     p.apply()
     hook = CpuPlatform.apply_config_platform_defaults
-    hook(SimpleNamespace(model_config=_model_config()))  # this host has it
+    if host_runs_v4():  # this host's own answer first, probes unmocked
+        hook(SimpleNamespace(model_config=_model_config()))
+    else:
+        with pytest.raises(p.DeepseekV4CpuError, match="AVX512-BF16"):
+            hook(SimpleNamespace(model_config=_model_config()))
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    hook(SimpleNamespace(model_config=_model_config()))
     with pytest.raises(p.DeepseekV4CpuError, match="bfloat16"):
         hook(SimpleNamespace(model_config=_model_config(dtype=torch.float32)))
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
@@ -378,6 +385,22 @@ loaded()
 res["total_s"] = time.time() - t0
 emit(res)
 """
+# On a host without AVX512-BF16 (where V4 cannot run at all): the real probe, unmocked, refuses
+# V4 while the config is built, under either backend, before any engine starts.
+REFUSED_SCRIPT = """
+from vllm import LLM
+res = {"refused": {}}
+for backend in ("vllm", "ulacache"):
+    try:
+        LLM(model=ARGS["model"], dtype="bfloat16", enforce_eager=True,
+            max_model_len=ARGS["max_model_len"], kv_backend=backend,
+            kv_cache_memory_bytes=256 << 20)
+        res["refused"][backend] = None
+    except Exception as e:
+        res["refused"][backend] = [type(e).__name__, str(e)]
+emit(res)
+"""
+
 # What the stock run may import of ulacache: V4's three fixes, what they import, and the
 # (removed) import hook its .pth file imports at interpreter start.
 V4_FIX_HOOKS = ["v4_cpu_isa", "v4_tile_scheduler", "v4_triton_fallbacks"]
@@ -386,6 +409,7 @@ V4_FIX_MODULES = {"ulacache_vllm", "ulacache_vllm.patches", "ulacache_vllm.patch
                   "ulacache_vllm.patches.v4_cpu_isa", "ulacache_vllm.patches.v4_tile_scheduler",
                   "ulacache_vllm.patches.v4_triton_fallbacks"}
 STOCK_TEST = "test_stock_v4_output_identical_without_ulacache_loaded"
+needs_v4_kernels = pytest.mark.skipif(not host_runs_v4(), reason=NO_V4_KERNELS)
 
 
 def general_plugins_but_ulacache() -> str:
@@ -423,6 +447,8 @@ def v4_runs(request, tiny_model, v4_prompts):
     args = dict(model=str(tiny_model(V4)), short=short, long=long, short_text=SHORT_PROMPTS,
                 max_model_len=MAX_MODEL_LEN, max_tokens=MAX_TOKENS)
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if not host_runs_v4():
+        return [run_vllm_script(REFUSED_SCRIPT, args=args, timeout=600, env=env)]
     scripts = [(ENGINE_SCRIPT, env)]
     if STOCK_TEST in {item.originalname for item in request.session.items}:
         scripts.append((STOCK_SCRIPT, {**env, "VLLM_PLUGINS": general_plugins_but_ulacache()}))
@@ -459,11 +485,21 @@ def v4_stock_run(v4_runs):
 
 @pytest.mark.engine
 def test_v4_refused_without_avx512_bf16(v4_run):
-    kind, msg = v4_run["no_bf16"]
-    assert "AVX512-BF16" in msg and "DeepSeek-V4" in msg, (kind, msg)
+    """On a host with AVX512-BF16, the probe mocked in the engine script; on one without, the
+    real probe: `LLM(...)` with either backend is refused naming the requirement."""
+    if host_runs_v4():
+        refused = {"mocked probe": v4_run["no_bf16"]}
+    else:
+        refused = v4_run["refused"]
+        assert set(refused) == {"vllm", "ulacache"}, refused
+    for backend, got in refused.items():
+        assert got is not None, f"{backend}: V4 was not refused"
+        kind, msg = got
+        assert "AVX512-BF16" in msg and "DeepSeek-V4" in msg, (backend, kind, msg)
 
 
 @pytest.mark.engine
+@needs_v4_kernels
 def test_stock_v4_serves_with_ulacache_installed(v4_run, v4_prompts):
     from ulacache_vllm.patches.v4_triton_fallbacks import KERNELS
 
@@ -491,6 +527,7 @@ def test_stock_v4_serves_with_ulacache_installed(v4_run, v4_prompts):
 
 
 @pytest.mark.engine
+@needs_v4_kernels
 def test_v4_agrees_with_transformers_reference(v4_run, v4_prompts, tiny_model):
     import _v4_reference as ref
 
@@ -510,6 +547,7 @@ def test_v4_agrees_with_transformers_reference(v4_run, v4_prompts, tiny_model):
 
 
 @pytest.mark.engine
+@needs_v4_kernels
 def test_stock_v4_output_identical_without_ulacache_loaded(v4_run, v4_stock_run):
     """Issue 43's criterion: stock V4's greedy output is identical whether or not ulacache's
     other patches are loaded. The comparison run loads none of them (the plugin left out by
@@ -535,6 +573,7 @@ def test_stock_v4_output_identical_without_ulacache_loaded(v4_run, v4_stock_run)
 
 
 @pytest.mark.engine
+@needs_v4_kernels
 def test_lm_eval_vllm_model_serves_stock_v4(v4_run, v4_prompts, tiny_model):
     """lm-eval's `vllm` model (its own LLM, the plugin loaded) on stock V4: generate_until gives
     the text of LLM's greedy tokens, and loglikelihood scores each prompt's greedy continuation
@@ -570,7 +609,8 @@ def test_vllm_serve_serves_v4_with_either_backend(v4_run, v4_prompts, tiny_model
     """`vllm serve` (the project's serve script, ulacache installed) serves the tiny V4 with the
     stock backend and with `--kv-backend ulacache` (the V4 line, issue 44), two servers side by
     side: greedy completions of the short prompts and the 2400-token one are LLM's tokens on
-    both, and the ulacache server exports its `vllm:ulacache_*` series."""
+    both, and the ulacache server exports its `vllm:ulacache_*` series. On a host without
+    AVX512-BF16, `vllm serve --kv-backend ulacache` exits at startup naming the requirement."""
     import subprocess
 
     import requests
@@ -586,6 +626,22 @@ def test_vllm_serve_serves_v4_with_either_backend(v4_run, v4_prompts, tiny_model
     env = vllm_env(dict(VENV=str(venv), KV_CACHE_BYTES=str(256 << 20),
                         MAX_MODEL_LEN=str(MAX_MODEL_LEN)))
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    if not host_runs_v4():
+        # No AVX512-BF16 here: the server exits at startup, its log naming the requirement.
+        log = tmp_path / "serve_refused.log"
+        with open(log, "w") as fh:
+            proc = subprocess.Popen(["bash", str(repo / "scripts" / "serve.sh"), model,
+                                     "ulacache", "127.0.0.1", str(_free_port()), *args],
+                                    stdout=fh, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, cwd=repo)
+        try:
+            rc = proc.wait(timeout=300)
+        finally:
+            _stop(proc)
+        text = log.read_text()
+        assert rc != 0, text[-2000:]
+        assert "AVX512-BF16" in text and "DeepSeek-V4" in text, text[-2000:]
+        return
     servers = {}
     for backend in ("vllm", "ulacache"):
         port, log = _free_port(), tmp_path / f"serve_{backend}.log"

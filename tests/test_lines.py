@@ -99,13 +99,16 @@ def test_deepseek_v4_family_is_refused_by_model_type_alone():
 
 
 @pytest.mark.timeout(300)
-def test_engine_args_with_deepseek_v4_and_ulacache_record_the_v4_line(tmp_path):
+def test_engine_args_with_deepseek_v4_and_ulacache_record_the_v4_line(tmp_path, monkeypatch):
     """Through the real front end (`EngineArgs.create_engine_config`, as `vllm serve` and
     `LLM(...)` build it): V4 under ulacache records the v4 line, before any engine starts;
-    V4.1 is refused there."""
+    V4.1 is refused there. (The CPU's AVX512-BF16 probe answers yes: no kernel is loaded
+    here, and a host without it refuses V4 before the line is chosen.)"""
     import ulacache_vllm.patches.apply as patches
+    from ulacache_vllm.patches import v4_cpu_isa
     from vllm.engine.arg_utils import EngineArgs
 
+    monkeypatch.setattr(v4_cpu_isa, "host_has_avx512_bf16", lambda: True)
     patches.apply_all()
     cfg = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
            "vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 2,

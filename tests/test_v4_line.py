@@ -37,8 +37,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, check_aborts,
-                              run_side_by_side, run_vllm_script)
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, NO_V4_KERNELS, check_aborts,
+                              host_runs_v4, run_side_by_side, run_vllm_script)
 
 V4 = "deepseek_v4"
 # One prefill chunk for every prompt, and the same step budget on either host kind (AMX hosts
@@ -212,6 +212,7 @@ TIGHT_BUDGET = 9_500_000
 
 
 @pytest.mark.engine
+@pytest.mark.skipif(not host_runs_v4(), reason=NO_V4_KERNELS)
 def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
     ref, ula, tight, states = v4_line_runs
     assert ula["prefix_caching"] == ref["prefix_caching"] == tight["prefix_caching"]
