@@ -149,11 +149,13 @@ def test_sliding_window_prefix_caching_parity(swa_runs):
 
 
 # Qwen3-Next (GDN state + full attention) in bf16: vLLM's CPU GDN path is not batch-invariant,
-# and stock's attention block is inflated to hold a state page (640 tokens on the tiny model)
-# while the arena's is 32 tokens. Parity therefore needs the same schedule and equal hit
-# lengths: one request at a time, prompts of token ids whose hits end at 640 on both sides (a
-# 660-token prompt resent: the replay boundary rounds down to 640 with either block; prefix
-# variants sharing exactly 640 tokens: their junction is at 640 on both sides).
+# and stock's attention block B is inflated to hold a state page while the arena's is 32
+# tokens. B depends on the host: 640 tokens on the tiny model where vLLM keeps the state in
+# float32 (AVX512-BF16 hosts), 384 where it stays bf16 (AVX2 hosts). Stock runs first and the
+# arena's run is given its B. Parity needs the same schedule and equal hit lengths: one wave at
+# a time, prompts of token ids whose hits end at B on both sides (a B+20-token prompt resent:
+# the replay boundary rounds down to B with either block; prefix variants sharing exactly B
+# tokens: their junction is at B on both sides).
 QWEN_SCRIPT = r"""
 import random
 from vllm import LLM, SamplingParams
@@ -165,9 +167,11 @@ ula = ARGS["kw"]["kv_backend"] == "ulacache"
 rng = random.Random(0)
 vocab = llm.get_tokenizer().vocab_size
 ids = lambda n: [rng.randrange(10, vocab - 10) for _ in range(n)]
-shared = ids(640)
 res = {"block_size": llm.llm_engine.vllm_config.cache_config.block_size,
        "mamba_cache_mode": llm.llm_engine.vllm_config.cache_config.mamba_cache_mode}
+B = ARGS.get("stock_block") or res["block_size"]  # stock's block (this engine's, for stock)
+assert B % 32 == 0 and 3 * (B + 32) <= 2048 and B + 60 + 40 + 24 <= 1024, B
+shared = ids(B)
 
 def metric(name):
     return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
@@ -183,26 +187,29 @@ def wave(name, prompts):
     res.setdefault("out", {})[name] = [list(o.outputs[0].token_ids) for o in outs]
     res.setdefault("cached", {})[name] = [o.num_cached_tokens for o in outs]
 
-# Every prompt but the siblings' is 641..672 tokens: its last cacheable boundary (where align
-# mode splits the prefill and checkpoints the state) is 640 with either block size; a wave's
+# Every prompt but the siblings' is B+1..B+32 tokens: its last cacheable boundary (where align
+# mode splits the prefill and checkpoints the state) is B with either block size; a wave's
 # prompts fit one step, so both sides run the same batches.
-first = [shared + ids(20), ids(650), ids(670)]
+first = [shared + ids(20), ids(B + 10), ids(B + 30)]
 wave("first", first)
-wave("resend", first)  # identical prompts: hits at 640
-wave("variants", [shared + ids(14 + 5 * i) for i in range(3)])  # 640 shared tokens
+wave("resend", first)  # identical prompts: hits at B
+wave("variants", [shared + ids(14 + 5 * i) for i in range(3)])  # B shared tokens
 wave("resend2", first[::-1])
-# Siblings (issue 45): a new 700-token prefix with one tail, then with another. The GDN state
-# exists only where a prefill chunk ended: stock's 640-token blocks end the first prompt's
-# prefill at 640 (its last whole block), where the second hits; the arena's 32-token pages
-# would end it at 736 only, past the 700 shared tokens, unless it also stops at stock's block.
-sib = ids(700)
+# Siblings (issue 45): a new B+60-token prefix with one tail, then with another. The GDN state
+# exists only where a prefill chunk ended: stock's B-token blocks end the first prompt's
+# prefill at B (its last whole block), where the second hits; the arena's 32-token pages
+# would end it at B+96 only, past the B+60 shared tokens, unless it also stops at stock's block.
+sib = ids(B + 60)
 wave("sibling1", [sib + ids(40)])
 wave("sibling2", [sib + ids(30)])
 res["hits"] = metric("vllm:prefix_cache_hits")
 res["usage_main"] = usage()
 # Pressure: new prompts only (no hit on either side), more than the arena's free bytes: cold
 # cached pages are evicted, the rest move into the holes.
-wave("pressure", [ids(645 + 7 * i) for i in range(4)])
+# Three waves of them: the cached pages outgrow the arena whichever B (and state size) the
+# host gives.
+for k in range(3):
+    wave(f"pressure{k}", [ids(B + 5 + 7 * i) for i in range(4)])
 res["usage_pressure"] = usage()
 res["reset_ok"] = llm.reset_prefix_cache()
 wave("after_reset", first[:1])
@@ -215,21 +222,22 @@ res["usage_end"] = usage()
 @pytest.fixture(scope="module")
 def qwen_runs(tiny_model):
     model = str(tiny_model("qwen3_next"))
-    run = lambda kw: run_vllm_script(QWEN_SCRIPT, args={"model": model, "kw": kw},
-                                     timeout=900, env=IN_PROCESS)
-    # The arena: ~5 max-length requests, with compactions / relayouts forced every 2 steps;
-    # stock with the same KV memory.
+    run = lambda kw, block: run_vllm_script(
+        QWEN_SCRIPT, args={"model": model, "kw": kw, "stock_block": block}, timeout=900,
+        env=IN_PROCESS)
+    # Stock first (its block is the arena run's B); the arena with the same KV memory: ~5
+    # max-length requests, with compactions / relayouts forced every 2 steps.
+    ref = run(dict(kv_backend="vllm", kv_cache_memory_bytes=12 << 20), None)
     ula = run(dict(kv_backend="ulacache", kv_cache_memory_bytes=12 << 20,
-                   ula_arena_force_moves=2))
-    ref = run(dict(kv_backend="vllm", kv_cache_memory_bytes=12 << 20))
+                   ula_arena_force_moves=2), ref["block_size"])
     return ref, ula
 
 
 def test_qwen3_next_align_mode_prefix_caching_parity(qwen_runs):
     """GDN state through vLLM's "align" mode on both sides (state checkpoints at page
-    boundaries; the arena's are 32-token pages of the state's natural size, stock's 640-token
+    boundaries; the arena's are 32-token pages of the state's natural size, stock's B-token
     padded blocks, the arena's prefills split at stock's block): bf16 greedy tokens equal
-    stock's in every wave, siblings included, the same hit lengths request by request (640
+    stock's in every wave, siblings included, the same hit lengths request by request (B
     for resends, prefix variants and a sibling prompt) and the same
     `vllm:prefix_cache_hits`, at the same KV memory; cached pages moved and cold ones evicted
     under pressure; a decoding request's state stays in its page past the prompt."""
@@ -240,13 +248,14 @@ def test_qwen3_next_align_mode_prefix_caching_parity(qwen_runs):
     for name, toks in ref["out"].items():
         assert all(len(set(t[:24])) >= 6 for t in toks), (name, toks)
         # (Token-exact, siblings too: the arena splits a GDN prompt's prefill where stock's
-        # 640-token blocks do, and bf16 GDN is not invariant to where its chunks end.)
+        # B-token blocks do, and bf16 GDN is not invariant to where its chunks end.)
         assert ula["out"][name] == toks, name
+    B = ref["block_size"]
     assert ula["cached"] == ref["cached"]
-    assert ref["cached"]["resend"] == [640] * 3 and ref["cached"]["variants"] == [640] * 3
+    assert ref["cached"]["resend"] == [B] * 3 and ref["cached"]["variants"] == [B] * 3
     # A sibling prompt hits where stock's coarse state checkpoint lets it (issue 45: the
     # arena checkpoints a prompt's state at stock's block too; it missed before).
-    assert ref["cached"]["sibling2"] == [640] == ula["cached"]["sibling2"], ref["cached"]
+    assert ref["cached"]["sibling2"] == [B] == ula["cached"]["sibling2"], ref["cached"]
     assert ula["hits"] == ref["hits"] > 0
     m = ula["metrics"]
     assert m["vllm:num_preemptions"] == 0 == ref["metrics"]["vllm:num_preemptions"]
@@ -254,7 +263,7 @@ def test_qwen3_next_align_mode_prefix_caching_parity(qwen_runs):
     assert m["vllm:ulacache_arena_cache_evictions"] > 0, m
     assert set(ula["usage_main"]["kinds"]) == {"state", "full"}
     # Decode past the prompt keeps the running GDN state in its page (relocated to the new
-    # 32-token column, no new page or copy; stock's 640-token block never moves it there):
+    # 32-token column, no new page or copy; stock's B-token block never moves it there):
     # the outputs above are token-exact with it, under forced compactions and relayouts.
     assert ula["usage_main"]["arena_state_moves_saved"] > 0, ula["usage_main"]
     assert ula["reset_ok"] and ula["cached"]["after_reset"] == [0]
