@@ -242,7 +242,8 @@ def plan_arena(vllm_config, specs: dict, available_bytes: int, settings: UlaSett
 
 # The CPU build's default attention block; for GDN/mamba hybrids its platform grows it to the
 # smallest multiple whose attention page holds a state page (``Platform._align_hybrid_block_
-# size``: 640 tokens on the tiny Qwen3-Next).
+# size``: 640 tokens on the tiny Qwen3-Next with its float32 state on AVX512-BF16 hosts, 384
+# with the bf16 state AVX2 hosts keep).
 STOCK_CPU_BLOCK = 128
 
 
