@@ -67,11 +67,21 @@ def fp8_ds_mla_roundtrip(x):
     return y.to(x.dtype)
 
 
+def hf_config(model_dir: str | Path):
+    """transformers' own DeepSeek-V4 config of the checkpoint. (Named, not through AutoConfig:
+    once vLLM has built a V4 config in this process it has registered its own class under
+    "deepseek_v4" with AutoConfig, and transformers' model does not take that one.)"""
+    from transformers.models.deepseek_v4 import DeepseekV4Config
+
+    return DeepseekV4Config.from_pretrained(str(model_dir))
+
+
 def load(model_dir: str | Path, *, fp8_kv: bool = True):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), config=hf_config(model_dir),
+                                                 dtype=torch.float32)
     if type(model).__name__ != "DeepseekV4ForCausalLM":
         raise AssertionError(f"transformers loaded {type(model).__name__}, not DeepSeek-V4")
     if fp8_kv:

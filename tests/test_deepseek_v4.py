@@ -135,7 +135,8 @@ def test_transformers_loads_every_tensor(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = tiny_model(V4)
-    model, info = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32,
+    model, info = AutoModelForCausalLM.from_pretrained(str(d), config=ref.hf_config(d),
+                                                       dtype=torch.float32,
                                                        output_loading_info=True)
     assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys",
                                           "error_msgs")), info
