@@ -276,9 +276,8 @@ def _sibling_tails(mask, state, kind: int):
 # GDN/mamba state in vLLM's "align" mode exists only where a prefill chunk ended: vLLM's split
 # ends a prompt's prefill at its last whole block and keeps (retention 0) the state there
 # and at a learnt shared-prefix junction. Stock's blocks are coarse (the CPU build grows them
-# until an attention page holds a state page: 640 tokens on the tiny Qwen3-Next, 384 where
-# the state stays bf16), so a prompt sharing another's first ~N tokens finds that state at
-# ``floor640(len - 1)`` and hits there;
+# until an attention page holds a state page: 640 tokens on the tiny Qwen3-Next, 384 if its
+# state is bf16), so a prompt sharing another's first ~N tokens finds it at ``floorB(len - 1)``;
 # the arena's 32-token pages put it at ``floor32(len - 1)``, past where a sibling with another
 # tail diverges (issue 45: 2,176 hit tokens against stock's 15,360). So under the arena a
 # prompt's prefill is split as stock's is, at stock's coarse block (no fine 32-token stop: the
