@@ -247,12 +247,33 @@ def _warn_unclean_exit(proc: subprocess.Popen, err_path: Path, killed: bool) -> 
 atexit.register(_reap_shut_down, True)
 
 
-def run_side_by_side(*calls: Callable[[dict[str, str]], Any]) -> list[Any]:
+# The engine core in the script's own process (vLLM's uni-process executor: the worker there
+# too). One interpreter importing vLLM instead of three (script, engine core, worker): on a
+# slow 2-core host an import of vLLM takes 12-14 s, most of a tiny-model engine test. The
+# scheduler still reaches the worker only through ``SchedulerOutput`` and ``collective_rpc``;
+# what crosses a process boundary is tested where it must (``vllm serve``: always a core
+# process; TP=2: workers in their own processes; the GPT-OSS arena run). An in-process core
+# steps only when the client asks: a script reading its pools after ``generate`` takes one
+# empty step first (``IDLE_STEP``), which a core process takes by itself.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+IDLE_STEP = """
+import os as _os
+def idle_step():
+    # The step that carries the last finished requests' frees to the worker: a core process
+    # takes it by itself; an in-process one only when asked.
+    if _os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        llm.llm_engine.step()
+"""
+
+
+def run_side_by_side(*calls: Callable[[dict[str, str]], Any],
+                     in_process: bool = False) -> list[Any]:
     """Run independent single-rank engine runs at the same time; return their results in
     order. Each call gets the environment entries to add to its engine's (``env=`` of
-    ``run_vllm_script``): a ``VLLM_CPU_OMP_THREADS_BIND`` of its own share of this process's
-    CPUs, the same number for every call. Every call runs to its end; then the first error,
-    if any, is raised. With fewer CPUs than calls they run one after another, unpinned.
+    ``run_vllm_script``): its own share of this process's CPUs for its compute threads, the
+    same number for every call (``side_by_side_binds``). Every call runs to its end; then the
+    first error, if any, is raised. With fewer CPUs than calls they run one after another,
+    unpinned. ``in_process``: each engine's core runs in its script's process (``IN_PROCESS``).
 
     A tiny-model engine process is mostly start-up and shutdown (imports, engine-core and
     worker spawns and their imports, worker teardown: ~40 s of a ~50 s run), nearly all on
@@ -264,25 +285,32 @@ def run_side_by_side(*calls: Callable[[dict[str, str]], Any]) -> list[Any]:
     """
     from concurrent.futures import ThreadPoolExecutor
 
-    binds = side_by_side_binds(len(calls))
+    binds = side_by_side_binds(len(calls), in_process=in_process)
     if binds is None:
-        return [c({}) for c in calls]
+        return [c(dict(IN_PROCESS) if in_process else {}) for c in calls]
     with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="vllm_script") as pool:
         futures = [pool.submit(c, bind) for c, bind in zip(calls, binds)]
     return [f.result() for f in futures]
 
 
-def side_by_side_binds(n: int) -> list[dict[str, str]] | None:
+def side_by_side_binds(n: int, in_process: bool = False) -> list[dict[str, str]] | None:
     """``n`` environment entries giving ``n`` single-rank engines (scripts or servers) that
     run at the same time disjoint, equal shares of this process's CPUs for their compute
-    threads (``VLLM_CPU_OMP_THREADS_BIND``); None with fewer CPUs than engines (or one engine):
-    run them unpinned, one after another."""
+    threads; None with fewer CPUs than engines (or one engine): run them unpinned, one after
+    another. An engine with a worker process takes its share as ``VLLM_CPU_OMP_THREADS_BIND``
+    (vLLM turns it into the worker's OpenMP environment); an in-process one (``in_process``)
+    gets that OpenMP environment itself, as vLLM's ``OMPProcessManager`` writes it for a
+    worker (GNU OpenMP, torch's: thread count, one place of the share's CPUs, bound)."""
     cpus = sorted(os.sched_getaffinity(0))
     if n < 2 or len(cpus) < n:
         return None
     k = len(cpus) // n
-    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[i * k:(i + 1) * k]))}
-            for i in range(n)]
+    shares = [cpus[i * k:(i + 1) * k] for i in range(n)]
+    if in_process:
+        return [{**IN_PROCESS, "OMP_NUM_THREADS": str(len(share)),
+                 "OMP_PLACES": "{" + ",".join(map(str, share)) + "}", "OMP_PROC_BIND": "true"}
+                for share in shares]
+    return [{"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, share))} for share in shares]
 
 
 def tp_omp_bind(tp: int) -> dict[str, str]:

@@ -46,7 +46,8 @@ def reports(request, tiny_model):
     engine (both comparisons here have the same engine arguments, the reference MLA path's
     schedule and the same budgets), and the stock and ulacache processes run side by side
     (``side_by_side_binds``: each engine's compute threads on CPUs of their own, the same number
-    of threads on both sides; one after the other on a single CPU). A process is almost all
+    of threads on both sides, each engine core in its lm-eval process; one after the other on a
+    single CPU). A process is almost all
     start-up and shutdown (imports, engine boot, task building: ~50 s against seconds of
     generation), so one process per backend for both tasks, the two at once, costs about what
     one process did. Greedy decoding does not depend on timing or on the tasks evaluated before
@@ -74,7 +75,7 @@ def reports(request, tiny_model):
                      for n in group]
             try:
                 reps = compare_tasks(model, tasks, ula_args=ula_args, ref_args=ref_args,
-                                     side_by_side=side_by_side_binds(2))
+                                     side_by_side=side_by_side_binds(2, in_process=True))
             except Exception as e:  # noqa: BLE001 - raised by each test that reads it
                 reps = [e] * len(group)
             out.update(zip(group, reps))

@@ -133,9 +133,9 @@ def vllm_outputs(tiny_model) -> dict:
         runs = [(paths[name], label, kws[label]) for label in RUNS]
         return lambda bind: run_vllm_script(
             _SCRIPT, args=dict(prompts=PROMPTS, max_tokens=MAX_TOKENS, runs=runs),
-            timeout=1200, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **bind})[paths[name]]
+            timeout=1200, env=bind)[paths[name]]
 
-    return dict(zip(MODELS, run_side_by_side(*map(model_runs, MODELS))))
+    return dict(zip(MODELS, run_side_by_side(*map(model_runs, MODELS), in_process=True)))
 
 
 # --------------------------------------------------------------------------------------------

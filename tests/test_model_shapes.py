@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import mla_path_kwargs, run_side_by_side, run_vllm_script
+from _vllm_subprocess import IDLE_STEP, mla_path_kwargs, run_side_by_side, run_vllm_script
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -20,7 +20,7 @@ SHAPE = dict(num_hidden_layers=3, index_topk=32, num_attention_heads=8, num_key_
 ULA_KV_BYTES = 17_000_000
 ULA_HOST_GIB = 0.012
 
-SCRIPT = r"""
+SCRIPT = IDLE_STEP + r"""
 import random
 from vllm import LLM, SamplingParams
 llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
@@ -30,6 +30,7 @@ words = "the of cat dog runs blue seven apple river stone cloud music table wind
 prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(100, 400))) for _ in range(6)]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
 res = {"out": [o.outputs[0].token_ids for o in outs]}
+idle_step()
 if ARGS["kw"]["kv_backend"] == "ulacache":
     res["usage"] = llm.collective_rpc("ulacache_usage")[0]
     res["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
@@ -41,7 +42,7 @@ emit(res)
 @pytest.fixture(scope="module")
 def runs(tiny_model):
     """Stock and ulacache, side by side (``run_side_by_side``: disjoint CPUs, the same number
-    of compute threads)."""
+    of compute threads), each engine core in its script's process."""
     model = str(tiny_model("deepseek_v32", **SHAPE))
 
     def run(backend):
@@ -53,7 +54,7 @@ def runs(tiny_model):
         return lambda bind: run_vllm_script(SCRIPT, args={"model": model, "kw": kw},
                                             timeout=900, env=bind)
 
-    ref, ula = run_side_by_side(run("vllm"), run("ulacache"))
+    ref, ula = run_side_by_side(run("vllm"), run("ulacache"), in_process=True)
     return {"vllm": ref, "ulacache": ula}
 
 

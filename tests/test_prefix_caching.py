@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import REPO_ROOT, mla_path_kwargs, run_side_by_side, run_vllm_script
+from _vllm_subprocess import (IDLE_STEP, REPO_ROOT, mla_path_kwargs, run_side_by_side,
+                              run_vllm_script)
 
 BENCH_DIR = REPO_ROOT / "benchmarks"
 
@@ -18,7 +19,7 @@ ULA_KV_BYTES = 13_500_000
 ULA_HOST_GIB = 0.0055
 REF_KV_BYTES = 512 << 20
 
-SCRIPT = r"""
+SCRIPT = IDLE_STEP + r"""
 import sys
 sys.path.insert(0, ARGS["bench_dir"])
 from prefix_cache import export_preempted_stats
@@ -76,6 +77,7 @@ if ARGS["backend"] == "ulacache":
     # own full blocks again, and nothing else may hold a row.
     o = llm.generate([prefixes[0]], greedy(1))[0]
     res["after_reset_prompt_len"] = len(o.prompt_token_ids)
+    idle_step()
     res["usage_after_reset"] = llm.collective_rpc("ulacache_usage")[0]
 emit(res)
 """
@@ -97,7 +99,7 @@ def _run(model, backend, env):
 def runs(tiny_model):
     model = tiny_model("deepseek_v32")
     ula, ref = run_side_by_side(lambda bind: _run(model, "ulacache", bind),
-                                lambda bind: _run(model, "vllm", bind))
+                                lambda bind: _run(model, "vllm", bind), in_process=True)
     return ula, ref
 
 

@@ -429,7 +429,7 @@ def e2e(e2e_models):
                         except Exception as e:  # noqa: BLE001 - raised by the tests that read it
                             cache[n] = e
                 return run
-            run_side_by_side(lane("sparse"), lane("full", "dense"))
+            run_side_by_side(lane("sparse"), lane("full", "dense"), in_process=True)
         if isinstance(cache[name], Exception):
             raise cache[name]
         return cache[name]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import (AGREEING_MTP, REPEATED_WORD_PROMPTS, SPEC_ACCEPTED,
+from _vllm_subprocess import (AGREEING_MTP, IN_PROCESS, REPEATED_WORD_PROMPTS, SPEC_ACCEPTED,
                               SPEC_DECODE_METRICS, SPEC_DRAFTS, check_drafts_judged_both_ways,
                               mla_path_kwargs, run_vllm_script, tp_omp_bind)
 
@@ -51,7 +51,9 @@ ULA_HOST_GIB = 0.004
 @pytest.fixture(scope="module")
 def runs(tiny_model):
     model = str(tiny_model("deepseek_v32", **AGREEING_MTP))
-    env = tp_omp_bind(2)  # fails, naming the CPUs, where this process may use fewer than 2
+    # (tp_omp_bind fails, naming the CPUs, where this process may use fewer than 2; the engine
+    # core in the script's process, the two ranks' workers in their own)
+    env = {**tp_omp_bind(2), **IN_PROCESS}
     base = {**mla_path_kwargs("reference"), "enable_prefix_caching": True}
     ref = run_vllm_script(SCRIPT, args={"model": model, "kw": {
         "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES, **base}},

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import (ABORT_TWO_OF_FOUR, AGREEING_MTP, EMIT_WITH_METRICS,
-                              REPEATED_WORD_PROMPTS, SPEC_ACCEPTED, SPEC_DECODE_METRICS,
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, AGREEING_MTP, EMIT_WITH_METRICS, IDLE_STEP,
+                              IN_PROCESS, REPEATED_WORD_PROMPTS, SPEC_ACCEPTED, SPEC_DECODE_METRICS,
                               SPEC_DRAFTS, check_aborts, check_drafts_judged_both_ways,
                               host_mla_path, mla_path_kwargs, run_side_by_side, run_vllm_script,
                               tp_omp_bind)
@@ -29,7 +29,7 @@ llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_le
 # aborted mid-decode, then 200-token outputs for all prompts; leaves ``res`` (with the prefix
 # caching setting the engine was built with). The TP=2 tests run it after their own workload
 # in the same engine (``TP_SCRIPT``).
-SCRIPT_WORKLOAD = r"""words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
+SCRIPT_WORKLOAD = IDLE_STEP + r"""words = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
          "omicron pi rho sigma tau upsilon").split()
 prompts = [" ".join(words[(i * 7 + j * (i + 3)) % len(words)] for j in range(60 + 20 * i))
            for i in range(8)]
@@ -51,6 +51,7 @@ def settle():
     if res["prefix_caching"]:
         res.setdefault("prefix_cache_resets", []).append(llm.reset_prefix_cache())
         llm.generate(["alpha"], greedy(1))
+    idle_step()
 
 # Abort two requests mid-decode; the survivors must still match the reference.
 abort_tokens = 64
@@ -96,7 +97,7 @@ def runs(request, tiny_model, tmp_path_factory):
     lru = "exact_ts" if name == "glm_dsa" else None
     ula, ref = run_side_by_side(
         lambda bind: _run(model, "ulacache", path, trace, {**env, **bind}, lru),
-        lambda bind: _run(model, "vllm", path, env=bind))
+        lambda bind: _run(model, "vllm", path, env=bind), in_process=True)
     ula["trace_path"] = str(trace)
     ula["path"] = host_mla_path() if path == "host" else path
     return name, ref, ula
@@ -202,7 +203,7 @@ def test_recorded_trace_replays_through_the_core(runs):
 # chunked prefill with a 4096-token default step that ulacache lowers to its pool.
 REFERENCE_PATH = mla_path_kwargs("reference")
 
-MTP_SCRIPT = r"""
+MTP_SCRIPT = IDLE_STEP + r"""
 from vllm import LLM, SamplingParams
 llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
           max_num_seqs=8, seed=0, disable_log_stats=False,
@@ -238,7 +239,7 @@ def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
         lambda bind: run_vllm_script(MTP_SCRIPT, args={**args, "kw": {
             "kv_backend": "ulacache", "kv_cache_memory_bytes": 18_000_000, **REFERENCE_PATH,
             "ula_host_pool_gib": 0.008}}, timeout=900,
-            env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0", **bind}))
+            env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0", **bind}), in_process=True)
     m = ula["metrics"]
     print(f"\nMTP: prompts {ula['prompt_lens']}; {m[SPEC_DRAFTS]} draft tokens, "
           f"{m[SPEC_ACCEPTED]} accepted; demotions {m['vllm:ulacache_demotions']}, promotions "
@@ -254,7 +255,7 @@ def test_mtp_speculative_decoding_parity_under_pressure(tiny_model):
 # than the pools hold; its results go to ``res["tp"]`` (its own metrics and usage included).
 # With ``ARGS["script"]`` the same engine then runs ``SCRIPT_WORKLOAD`` (aborts, preemptions;
 # every pool is empty again in between, so shard mode starts over from replicas).
-TP_SCRIPT = r"""
+TP_SCRIPT = IDLE_STEP + r"""
 from vllm import LLM, SamplingParams
 llm = LLM(model=ARGS["model"], dtype="float32", enforce_eager=True, max_model_len=1024,
           max_num_seqs=8, seed=0, tensor_parallel_size=2, disable_log_stats=False, **ARGS["kw"])
@@ -271,6 +272,7 @@ small_usage = tp_usage()
 prompts = [" ".join(words[(i * 5 + j * (i + 2)) % len(words)] for j in range(120 + 40 * i))
            for i in range(8)]
 outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+idle_step()
 tp = {"out": [o.outputs[0].token_ids for o in outs], "metrics": tp_metrics(), "usage": tp_usage(),
       "small": [o.outputs[0].token_ids for o in small], "small_usage": small_usage}
 if not ARGS["script"]:
@@ -294,7 +296,8 @@ def tp2(tiny_model):
     (``--ula-tp-mode shard``, the default, under pressure; both workloads) and
     ``"replicate"`` (``--ula-tp-mode replicate`` under pressure; the TP workload)."""
     model = str(tiny_model("deepseek_v32"))
-    env = tp_omp_bind(2)  # fails, naming the CPUs, where this process may use fewer than 2
+    # (tp_omp_bind fails, naming the CPUs, where this process may use fewer than 2)
+    env = {**tp_omp_bind(2), **IN_PROCESS}
     kws = {
         "stock": ("vllm", True, {"kv_cache_memory_bytes": REF_KV_BYTES}),
         "shard": ("ulacache", True, {"kv_cache_memory_bytes": ULA_SHARD_KV_BYTES,
