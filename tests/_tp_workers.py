@@ -53,6 +53,15 @@ def read(mods, logical):
     return read_all(mods, logical, None)
 
 
+def run_in_turn(rank: int, world: int, out_dir: str, workers) -> None:
+    """Runs each of ``workers`` (the bodies below) in turn in this rank's process, each with a
+    process group of its own (a fresh init file) and its results under ``out_dir/<name>``."""
+    for fn in workers:
+        d = os.path.join(out_dir, fn.__name__)
+        os.makedirs(d, exist_ok=True)
+        fn(rank, world, os.path.join(d, "init"), d)
+
+
 def _init(rank, world, init_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, check_aborts,
-                              run_vllm_script, tp_omp_bind)
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, IN_PROCESS, check_aborts,
+                              run_side_by_side, run_vllm_script, tp_omp_bind)
 
 from ulacache_vllm.engine.faults import ENV as FAULTS_ENV
 
@@ -105,11 +105,9 @@ def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=Non
                                          "raise_phase": raise_phase}, timeout=900, env=env)
 
 
-# The engine core in the script's process: `eng.step()` is one engine step, so the abort lands
-# at the same step in both runs (a separate core process may run ahead of the client, and in
-# bf16 another batch at another step is another result).
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-
+# IN_PROCESS, the engine core in the script's process: `eng.step()` is one engine step, so the
+# abort lands at the same step in both runs (a separate core process may run ahead of the
+# client, and in bf16 another batch at another step is another result).
 
 def _check_prefix_caching_off(ula: dict) -> None:
     """Prefix caching pinned off (``SCRIPT``): the running engine had it off, its config says
@@ -145,11 +143,13 @@ def qwen3_next(tiny_model):
     same = dict(max_num_seqs=4)
     # The arena: room for the 4 requests at once (no preemption either side: same schedule),
     # with a compaction or relayout forced every 2 steps.
-    ula = _run(model, "ulacache", "bfloat16",
-               dict(same, kv_cache_memory_bytes=24 << 20, ula_arena_force_moves=2), 15, 40,
-               IN_PROCESS)
-    ref = _run(model, "vllm", "bfloat16", dict(same, kv_cache_memory_bytes=256 << 20), 15, 40,
-               IN_PROCESS)
+    ula, ref = run_side_by_side(
+        lambda bind: _run(model, "ulacache", "bfloat16",
+                          dict(same, kv_cache_memory_bytes=24 << 20, ula_arena_force_moves=2),
+                          15, 40, bind),
+        lambda bind: _run(model, "vllm", "bfloat16",
+                          dict(same, kv_cache_memory_bytes=256 << 20), 15, 40, bind),
+        in_process=True)
     return ref, ula
 
 
@@ -182,12 +182,16 @@ def swa_runs(tiny_model, tmp_path_factory):
         # during its abort phase; GPT-OSS (the engine core in its own process, as served)
         # also fails two copy steps in a batch of its own.
         faults = tmp_path_factory.mktemp("faults") / "move_faults.json"
-        ula = _run(model, "ulacache", "float32",
-                   dict(max_num_seqs=8, kv_cache_memory_bytes=budget, ula_arena_force_moves=3),
-                   40, 100, {**(env or {}), FAULTS_ENV: str(faults)},
-                   raise_phase=name == "gpt_oss")
-        ref = _run(model, "vllm", "float32",
-                   dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20), 40, 100, env)
+        # Side by side (``run_side_by_side``), each engine core where SWA_ENV puts it.
+        ula, ref = run_side_by_side(
+            lambda bind: _run(model, "ulacache", "float32",
+                              dict(max_num_seqs=8, kv_cache_memory_bytes=budget,
+                                   ula_arena_force_moves=3),
+                              40, 100, {**bind, FAULTS_ENV: str(faults)},
+                              raise_phase=name == "gpt_oss"),
+            lambda bind: _run(model, "vllm", "float32",
+                              dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20), 40, 100,
+                              bind), in_process=env is not None)
         cache[name] = (ref, ula, preempts)
         return cache[name]
     return get

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, check_aborts, run_vllm_script
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, IN_PROCESS, check_aborts,
+                              run_side_by_side, run_vllm_script)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -85,7 +86,6 @@ res["usage_end"] = usage()
 res["hits_total"] = metric("vllm:prefix_cache_hits")
 """ + EMIT_WITH_METRICS
 
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 # name: (model overrides, arena budget, words per head, filler words)
 MODELS = {
@@ -94,19 +94,22 @@ MODELS = {
 }
 
 
-def _run(model, backend: str, kw: dict):
+def _run(model, backend: str, kw: dict, env: dict):
     args = {"model": str(model), "backend": backend, "dtype": "float32", "head": 50,
             "out": 12, "filler": 70, "filler_out": 150, "kw": {"kv_backend": backend, **kw}}
-    return run_vllm_script(SCRIPT, args=args, timeout=900, env=IN_PROCESS)
+    return run_vllm_script(SCRIPT, args=args, timeout=900, env=env)
 
 
 @pytest.fixture(scope="module", params=sorted(MODELS))
 def swa_runs(request, tiny_model):
     overrides, budget = MODELS[request.param]
     model = tiny_model(request.param, **overrides)
-    ula = _run(model, "ulacache", dict(max_num_seqs=8, kv_cache_memory_bytes=budget,
-                                       ula_arena_force_moves=2))
-    ref = _run(model, "vllm", dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20))
+    # Side by side, each engine core in its script's process (``run_side_by_side``).
+    ula, ref = run_side_by_side(
+        lambda bind: _run(model, "ulacache", dict(max_num_seqs=8, kv_cache_memory_bytes=budget,
+                                                  ula_arena_force_moves=2), bind),
+        lambda bind: _run(model, "vllm", dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20),
+                          bind), in_process=True)
     return request.param, ref, ula
 
 

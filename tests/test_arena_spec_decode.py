@@ -22,12 +22,11 @@ import pytest
 
 from ulacache_vllm.engine.arena.sizing import ARENA_BLOCK_SIZE
 
-from _vllm_subprocess import (ABORT_TWO_OF_FOUR, check_aborts, run_vllm_script,
-                              tp_omp_bind)
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, IN_PROCESS, check_aborts, run_side_by_side,
+                              run_vllm_script, tp_omp_bind)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
-IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
@@ -139,11 +138,13 @@ def _report(name: str, side: str, c: dict) -> None:
 def swa_ngram(request, tiny_model):
     overrides, budget = SWA_MODELS[request.param]
     model = tiny_model(request.param, **overrides)
-    ula = _run(model, "ulacache", "float32", NGRAM,
-               dict(max_num_seqs=8, kv_cache_memory_bytes=budget, ula_arena_force_moves=3),
-               same=2, pressure=True)
-    ref = _run(model, "vllm", "float32", NGRAM,
-               dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20), same=2, pressure=True)
+    ula, ref = run_side_by_side(
+        lambda bind: _run(model, "ulacache", "float32", NGRAM,
+                          dict(max_num_seqs=8, kv_cache_memory_bytes=budget,
+                               ula_arena_force_moves=3), same=2, pressure=True, env=bind),
+        lambda bind: _run(model, "vllm", "float32", NGRAM,
+                          dict(max_num_seqs=8, kv_cache_memory_bytes=256 << 20), same=2,
+                          pressure=True, env=bind), in_process=True)
     return request.param, ref, ula
 
 
@@ -175,11 +176,13 @@ def test_sliding_window_ngram_parity_under_pressure(swa_ngram):
 def qwen3_next_mtp(tiny_model):
     model = tiny_model("qwen3_next", num_nextn_predict_layers=1, initializer_range=SMALL_INIT)
     same = dict(max_num_seqs=4)
-    ula = _run(model, "ulacache", "bfloat16", MTP,
-               dict(same, kv_cache_memory_bytes=24 << 20, ula_arena_force_moves=2),
-               same=4, pressure=False)
-    ref = _run(model, "vllm", "bfloat16", MTP, dict(same, kv_cache_memory_bytes=256 << 20),
-               same=4, pressure=False)
+    ula, ref = run_side_by_side(
+        lambda bind: _run(model, "ulacache", "bfloat16", MTP,
+                          dict(same, kv_cache_memory_bytes=24 << 20, ula_arena_force_moves=2),
+                          same=4, pressure=False, env=bind),
+        lambda bind: _run(model, "vllm", "bfloat16", MTP,
+                          dict(same, kv_cache_memory_bytes=256 << 20), same=4, pressure=False,
+                          env=bind), in_process=True)
     return ref, ula
 
 

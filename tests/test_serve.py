@@ -118,10 +118,48 @@ def serve_many(specs: list[dict], timeout: float = 300):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_model, tmp_path_factory):
+def refusal(tiny_model, tmp_path_factory):
+    """`vllm serve` with a KV budget too small for one step (known only inside the engine
+    core), started before the module's servers so its start-up and failure overlap theirs
+    (one vLLM import per process, single-threaded: three at once keep both cores busy).
+    Yields ``wait() -> (returncode, stdout + stderr, error files before)``, read by
+    test_engine_core_refusal_ends_serve_with_the_fix; the process is killed at the end if it
+    is still running."""
+    import glob
+    import tempfile
+
+    from _vllm_subprocess import require_engine_marker, vllm_env
+
+    require_engine_marker()
+    model = tiny_model("deepseek_v32")
+    d = tmp_path_factory.mktemp("refusal")
+    pattern = os.path.join(tempfile.gettempdir(), "ulacache-error-*")
+    before = set(glob.glob(pattern))
+    env = vllm_env({"VLLM_LOGGING_LEVEL": "INFO"})  # vLLM's default level, as before
+    vllm_bin = Path(sys.executable).parent / "vllm"
+    out, err = d / "stdout", d / "stderr"
+    with open(out, "w") as fo, open(err, "w") as fe:
+        proc = subprocess.Popen(
+            [str(vllm_bin), "serve", str(model), "--kv-backend", "ulacache", "--dtype",
+             "float32", "--ula-host-pool-gib", "0.006", "--kv-cache-memory-bytes", "1000000",
+             "--max-model-len", "1024", "--port", str(_free_port()), *REFERENCE_PATH_FLAGS],
+            stdout=fo, stderr=fe, env=env, cwd=d, start_new_session=True)
+
+    def wait():
+        proc.wait(timeout=300)
+        return proc.returncode, out.read_text() + err.read_text(), before
+    try:
+        yield wait
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model, tmp_path_factory, refusal):
     """The ulacache server under test and a stock (`--kv-backend vllm`) server of the same
     model and sampling settings, the reference of every greedy text checked here; booted
-    side by side, their compute threads on disjoint CPUs (``side_by_side_binds``)."""
+    side by side, their compute threads on disjoint CPUs (``side_by_side_binds``), while the
+    ``refusal`` server fails."""
     from _vllm_subprocess import side_by_side_binds
 
     model = tiny_model("deepseek_v32")
@@ -265,30 +303,20 @@ def test_concurrent_completions_equal_stock_and_move_ulacache_metrics(server, st
     assert "ulacache KV:" in log.read_text()  # startup summary line
 
 
-def test_engine_core_refusal_ends_serve_with_the_fix(tiny_model, tmp_path):
+def test_engine_core_refusal_ends_serve_with_the_fix(refusal):
     """A KV budget too small for one step is only known inside the engine core: `vllm serve`
     must still end with ulacache's message (the numbers and the fix), not vLLM's generic
     "Engine core initialization failed", and leave no error file behind."""
     import glob
     import tempfile
 
-    model = tiny_model("deepseek_v32")
-    pattern = os.path.join(tempfile.gettempdir(), "ulacache-error-*")
-    before = set(glob.glob(pattern))
-    from _vllm_subprocess import vllm_env
-
-    env = vllm_env({"VLLM_LOGGING_LEVEL": "INFO"})  # vLLM's default level, as before
-    vllm_bin = Path(sys.executable).parent / "vllm"
-    res = subprocess.run(
-        [str(vllm_bin), "serve", str(model), "--kv-backend", "ulacache", "--dtype", "float32",
-         "--ula-host-pool-gib", "0.006", "--kv-cache-memory-bytes", "1000000",
-         "--max-model-len", "1024", "--port", str(_free_port()), *REFERENCE_PATH_FLAGS],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
-    assert res.returncode != 0
-    lines = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()]
+    returncode, output, before = refusal()
+    assert returncode != 0
+    lines = [ln for ln in output.splitlines() if ln.strip()]
     err = [ln for ln in lines if "KVBackendError" in ln]
     assert err and "device pool too small" in err[-1] and "at least" in err[-1], lines[-20:]
     assert not any("Engine core initialization failed" in ln for ln in lines[-5:]), lines[-5:]
+    pattern = os.path.join(tempfile.gettempdir(), "ulacache-error-*")
     assert set(glob.glob(pattern)) <= before, "an error file was left behind"
 
 

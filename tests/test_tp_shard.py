@@ -105,15 +105,36 @@ def test_a_rank_s_share_of_the_indexer_scores_is_bitwise_the_whole_scoring(P, H,
     assert_shards_merge_to_the_whole(q, w, keys, qpos, 64, P)
 
 
-def _spawn(fn, tmp_path):
-    init = tmp_path / "init"
-    mp.start_processes(fn, args=(2, str(init), str(tmp_path)), nprocs=2, join=True,
-                       start_method="spawn")
-    return [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in range(2)]
+# The two-rank bodies of the tests below, run by one pair of spawned gloo processes (a spawned
+# rank imports torch and the store's modules once for all of them, not once per test).
+WORKERS = (_tp_workers.skewed_worker, _tp_workers.diverging_worker, _tp_workers.replica_worker,
+           _tp_workers.rewrite_worker, _tp_workers.fill_worker)
 
 
-def test_two_ranks_one_overflowing_its_pool_read_exactly_and_stay_in_lockstep(tmp_path):
-    r0, r1 = _spawn(_tp_workers.skewed_worker, tmp_path)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """``ranks(worker) -> [rank 0's result, rank 1's]``: every body of WORKERS run in turn
+    (``_tp_workers.run_in_turn``) by the same two processes, once, at the first test that asks."""
+    out = tmp_path_factory.mktemp("tp_shard")
+    ran: list[BaseException | None] = []
+
+    def get(fn):
+        if not ran:
+            try:
+                mp.start_processes(_tp_workers.run_in_turn, args=(2, str(out), WORKERS),
+                                   nprocs=2, join=True, start_method="spawn")
+                ran.append(None)
+            except Exception as e:  # noqa: BLE001 - raised by every test that reads a result
+                ran.append(e)
+        if ran[0] is not None:
+            raise ran[0]
+        return [json.load(open(os.path.join(out, fn.__name__, f"rank{r}.json")))
+                for r in range(2)]
+    return get
+
+
+def test_two_ranks_one_overflowing_its_pool_read_exactly_and_stay_in_lockstep(ranks):
+    r0, r1 = ranks(_tp_workers.skewed_worker)
     for r in (r0, r1):
         assert r["errors"] == 0, r
         t = r["totals"]
@@ -127,14 +148,14 @@ def test_two_ranks_one_overflowing_its_pool_read_exactly_and_stay_in_lockstep(tm
     assert r0["mid"] != r1["mid"]  # shards, not replicas
 
 
-def test_a_diverging_rank_raises_instead_of_hanging(tmp_path):
-    r0, r1 = _spawn(_tp_workers.diverging_worker, tmp_path)
+def test_a_diverging_rank_raises_instead_of_hanging(ranks):
+    r0, r1 = ranks(_tp_workers.diverging_worker)
     for r in (r0, r1):
         assert "ranks diverged" in r["error"], r
 
 
-def test_replicated_while_it_fits_then_shards_then_replicated_again(tmp_path):
-    r0, r1 = _spawn(_tp_workers.replica_worker, tmp_path)
+def test_replicated_while_it_fits_then_shards_then_replicated_again(ranks):
+    r0, r1 = ranks(_tp_workers.replica_worker)
     for r in (r0, r1):
         assert r["limit"] == 64, r
         assert r["replica_exact"] and r["replica_gathers"] == 0, r  # local reads, no exchange
@@ -147,20 +168,20 @@ def test_replicated_while_it_fits_then_shards_then_replicated_again(tmp_path):
     assert r0["shard_usage"] != r1["shard_usage"] or r0["shard_usage"] < 2 * 136  # shards
 
 
-def test_rows_rewritten_in_place_are_never_served_stale_from_a_remote_buffer(tmp_path):
-    r0, r1 = _spawn(_tp_workers.rewrite_worker, tmp_path)
+def test_rows_rewritten_in_place_are_never_served_stale_from_a_remote_buffer(ranks):
+    r0, r1 = ranks(_tp_workers.rewrite_worker)
     for r in (r0, r1):
         assert r["replicas"] is False, r  # sharded: the other rank's rows come over the wire
         assert r["buffered"] > 0, r  # the rows were in the buffer before their rewrite
         assert r["errors"] == 0, r
 
 
-def test_a_buffer_reads_seldom_hit_stops_filling_and_fills_again_on_reuse(tmp_path):
+def test_a_buffer_reads_seldom_hit_stops_filling_and_fills_again_on_reuse(ranks):
     """--ula-remote-buffer-min-hit-rate (default 0.1): random picks over 1024 rows seldom
     hit a 64-row buffer, so its settles stop (probes aside); repeated picks bring the fills
     back and hit. Reads stay exact, and the replicated directory stays the same on both
     ranks (the decisions use only figures every rank shares)."""
-    r0, r1 = _spawn(_tp_workers.fill_worker, tmp_path)
+    r0, r1 = ranks(_tp_workers.fill_worker)
     for r in (r0, r1):
         assert r["errors"] == 0 and r["replicas"] is False, r
         low, t = r["low"], r["totals"]
