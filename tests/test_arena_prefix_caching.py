@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, IN_PROCESS, check_aborts,
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, check_aborts,
                               run_side_by_side, run_vllm_script)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
@@ -154,8 +154,8 @@ def test_sliding_window_prefix_caching_parity(swa_runs):
 # Qwen3-Next (GDN state + full attention) in bf16: vLLM's CPU GDN path is not batch-invariant,
 # and stock's attention block B is inflated to hold a state page while the arena's is 32
 # tokens. B depends on the host: 640 tokens on the tiny model where vLLM keeps the state in
-# float32 (AVX512-BF16 hosts), 384 where it stays bf16 (AVX2 hosts). Stock runs first and the
-# arena's run is given its B. Parity needs the same schedule and equal hit lengths: one wave at
+# float32 (AVX512-BF16 hosts), 384 where it stays bf16 (AVX2 hosts). Both runs read B from
+# their engine (the arena: the block it splits prefills at, its computation of stock's). Parity needs the same schedule and equal hit lengths: one wave at
 # a time, prompts of token ids whose hits end at B on both sides (a B+20-token prompt resent:
 # the replay boundary rounds down to B with either block; prefix variants sharing exactly B
 # tokens: their junction is at B on both sides).
@@ -172,7 +172,10 @@ vocab = llm.get_tokenizer().vocab_size
 ids = lambda n: [rng.randrange(10, vocab - 10) for _ in range(n)]
 res = {"block_size": llm.llm_engine.vllm_config.cache_config.block_size,
        "mamba_cache_mode": llm.llm_engine.vllm_config.cache_config.mamba_cache_mode}
-B = ARGS.get("stock_block") or res["block_size"]  # stock's block (this engine's, for stock)
+if ula:  # the block the arena splits prefills at: stock's, as the arena computes it
+    core = llm.llm_engine.engine_core.engine_core  # (in-process)
+    res["split_block"] = core.scheduler.kv_cache_manager.prefill_split_block()
+B = res["split_block"] if ula else res["block_size"]  # stock's block
 assert B % 32 == 0 and 3 * (B + 32) <= 2048 and B + 60 + 40 + 24 <= 1024, B
 shared = ids(B)
 
@@ -225,14 +228,16 @@ res["usage_end"] = usage()
 @pytest.fixture(scope="module")
 def qwen_runs(tiny_model):
     model = str(tiny_model("qwen3_next"))
-    run = lambda kw, block: run_vllm_script(
-        QWEN_SCRIPT, args={"model": model, "kw": kw, "stock_block": block}, timeout=900,
-        env=IN_PROCESS)
-    # Stock first (its block is the arena run's B); the arena with the same KV memory: ~5
-    # max-length requests, with compactions / relayouts forced every 2 steps.
-    ref = run(dict(kv_backend="vllm", kv_cache_memory_bytes=12 << 20), None)
-    ula = run(dict(kv_backend="ulacache", kv_cache_memory_bytes=12 << 20,
-                   ula_arena_force_moves=2), ref["block_size"])
+    run = lambda kw: lambda bind: run_vllm_script(
+        QWEN_SCRIPT, args={"model": model, "kw": kw}, timeout=900, env=bind)
+    # Side by side, each engine core in its script's process; the arena with the same KV
+    # memory: ~5 max-length requests, with compactions / relayouts forced every 2 steps. Each
+    # builds its prompts from stock's block B: stock from its own, the arena from the block it
+    # splits prefills at (its computation of stock's; checked equal).
+    ref, ula = run_side_by_side(
+        run(dict(kv_backend="vllm", kv_cache_memory_bytes=12 << 20)),
+        run(dict(kv_backend="ulacache", kv_cache_memory_bytes=12 << 20,
+                 ula_arena_force_moves=2)), in_process=True)
     return ref, ula
 
 
@@ -246,6 +251,9 @@ def test_qwen3_next_align_mode_prefix_caching_parity(qwen_runs):
     under pressure; a decoding request's state stays in its page past the prompt."""
     ref, ula = qwen_runs
     assert ula["mamba_cache_mode"] == "align" == ref["mamba_cache_mode"]
+    # The arena splits prefills at stock's real block (the prompts of both runs are built
+    # from it).
+    assert ula["split_block"] == ref["block_size"], (ula["split_block"], ref["block_size"])
     assert ula["block_size"] == 32 and ref["block_size"] > 32, (ula["block_size"],
                                                                  ref["block_size"])
     for name, toks in ref["out"].items():
