@@ -283,13 +283,23 @@ def run_side_by_side(*calls: Callable[[dict[str, str]], Any],
     many threads as the automatic binding there). Greedy decoding does not depend on timing,
     and runs compared with each other get the same number of threads.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
     binds = side_by_side_binds(len(calls), in_process=in_process)
     if binds is None:
         return [c(dict(IN_PROCESS) if in_process else {}) for c in calls]
+    return run_at_once(*(lambda c=c, b=b: c(b) for c, b in zip(calls, binds)))
+
+
+def run_at_once(*calls: Callable[[], Any]) -> list[Any]:
+    """Run engine scripts at the same time (one thread each, waiting on its subprocess) and
+    return their results in order; every call runs to its end, then the first error, if any,
+    is raised. For TP engines compared with each other (``tp_omp_bind``: each engine's rank r
+    on the same CPUs as the other's): their start-ups, a vLLM import per process on one core
+    each, overlap, and their compute shares the cores. Greedy decoding does not depend on
+    timing, and each engine's ranks keep their thread counts."""
+    from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="vllm_script") as pool:
-        futures = [pool.submit(c, bind) for c, bind in zip(calls, binds)]
+        futures = [pool.submit(c) for c in calls]
     return [f.result() for f in futures]
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import pytest
 
 from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, IN_PROCESS, check_aborts,
-                              run_side_by_side, run_vllm_script, tp_omp_bind)
+                              run_at_once, run_side_by_side, run_vllm_script, tp_omp_bind)
 
 from ulacache_vllm.engine.faults import ENV as FAULTS_ENV
 
@@ -306,11 +306,12 @@ def test_tensor_parallel_2_arena_parity_with_forced_moves(tiny_model):
     model = str(tiny_model("qwen3_next"))
     # Each rank's threads on cores of their own (fails, naming the CPUs, with fewer than 2).
     env = {**tp_omp_bind(2), **IN_PROCESS}
-    ula = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "ulacache", "kv_cache_memory_bytes": 16 << 20,
-        "ula_arena_force_moves": 2}}, timeout=900, env=env)
-    ref = run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "vllm", "kv_cache_memory_bytes": 128 << 20}}, timeout=900, env=env)
+    ula, ref = run_at_once(  # (both at once: their start-ups overlap)
+        lambda: run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
+            "kv_backend": "ulacache", "kv_cache_memory_bytes": 16 << 20,
+            "ula_arena_force_moves": 2}}, timeout=900, env=env),
+        lambda: run_vllm_script(TP_SCRIPT, args={"model": model, "kw": {
+            "kv_backend": "vllm", "kv_cache_memory_bytes": 128 << 20}}, timeout=900, env=env))
     _check_distinct(ref["main"])
     assert sum(ref["prompt_lens"]) > 1024, ref["prompt_lens"]  # a prefill split across steps
     assert ula["main"] == ref["main"]

@@ -22,8 +22,8 @@ import pytest
 
 from ulacache_vllm.engine.arena.sizing import ARENA_BLOCK_SIZE
 
-from _vllm_subprocess import (ABORT_TWO_OF_FOUR, IN_PROCESS, check_aborts, run_side_by_side,
-                              run_vllm_script, tp_omp_bind)
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, IN_PROCESS, check_aborts, run_at_once,
+                              run_side_by_side, run_vllm_script, tp_omp_bind)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -244,11 +244,12 @@ def test_tensor_parallel_2_arena_ngram_parity_with_forced_moves(tiny_model):
     overrides, _ = SWA_MODELS["gemma3"]
     model = str(tiny_model("gemma3", **overrides))
     env = {**tp_omp_bind(2), **IN_PROCESS}
-    ula = run_vllm_script(TP_SCRIPT, args={"model": model, "spec": NGRAM, "kw": {
-        "kv_backend": "ulacache", "kv_cache_memory_bytes": 16 << 20,
-        "ula_arena_force_moves": 2}}, timeout=900, env=env)
-    ref = run_vllm_script(TP_SCRIPT, args={"model": model, "spec": NGRAM, "kw": {
-        "kv_backend": "vllm", "kv_cache_memory_bytes": 128 << 20}}, timeout=900, env=env)
+    ula, ref = run_at_once(  # (both at once: their start-ups overlap)
+        lambda: run_vllm_script(TP_SCRIPT, args={"model": model, "spec": NGRAM, "kw": {
+            "kv_backend": "ulacache", "kv_cache_memory_bytes": 16 << 20,
+            "ula_arena_force_moves": 2}}, timeout=900, env=env),
+        lambda: run_vllm_script(TP_SCRIPT, args={"model": model, "spec": NGRAM, "kw": {
+            "kv_backend": "vllm", "kv_cache_memory_bytes": 128 << 20}}, timeout=900, env=env))
     _report("gemma3 tp2", "stock", ref["counters"])
     _report("gemma3 tp2", "ulacache", ula["counters"])
     assert ula["main"] == ref["main"]

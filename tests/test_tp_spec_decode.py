@@ -12,7 +12,7 @@ import pytest
 
 from _vllm_subprocess import (AGREEING_MTP, IN_PROCESS, REPEATED_WORD_PROMPTS, SPEC_ACCEPTED,
                               SPEC_DECODE_METRICS, SPEC_DRAFTS, check_drafts_judged_both_ways,
-                              mla_path_kwargs, run_vllm_script, tp_omp_bind)
+                              mla_path_kwargs, run_at_once, run_vllm_script, tp_omp_bind)
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
@@ -55,13 +55,14 @@ def runs(tiny_model):
     # core in the script's process, the two ranks' workers in their own)
     env = {**tp_omp_bind(2), **IN_PROCESS}
     base = {**mla_path_kwargs("reference"), "enable_prefix_caching": True}
-    ref = run_vllm_script(SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES, **base}},
-        timeout=900, env=env)
-    ula = run_vllm_script(SCRIPT, args={"model": model, "kw": {
-        "kv_backend": "ulacache", "kv_cache_memory_bytes": ULA_KV_BYTES,
-        "ula_host_pool_gib": ULA_HOST_GIB, "ula_tp_lockstep_check": True, **base}},
-        timeout=900, env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0", **env})
+    ref, ula = run_at_once(  # (both at once: their start-ups overlap)
+        lambda: run_vllm_script(SCRIPT, args={"model": model, "kw": {
+            "kv_backend": "vllm", "kv_cache_memory_bytes": REF_KV_BYTES, **base}},
+            timeout=900, env=env),
+        lambda: run_vllm_script(SCRIPT, args={"model": model, "kw": {
+            "kv_backend": "ulacache", "kv_cache_memory_bytes": ULA_KV_BYTES,
+            "ula_host_pool_gib": ULA_HOST_GIB, "ula_tp_lockstep_check": True, **base}},
+            timeout=900, env={"ULACACHE_PBLRU_SMALL_POOL_SLOTS": "0", **env}))
     return ula, ref
 
 
