@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import pytest
 
-from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, IN_PROCESS, check_aborts,
-                              run_at_once, run_side_by_side, run_vllm_script, tp_omp_bind)
+from _vllm_subprocess import (ABORT_TWO_OF_FOUR, EMIT_WITH_METRICS, IDLE_STEP, IN_PROCESS,
+                              check_aborts, run_at_once, run_side_by_side, run_vllm_script,
+                              tp_omp_bind)
 
 from ulacache_vllm.engine.faults import ENV as FAULTS_ENV
 
 pytestmark = pytest.mark.engine  # every test here boots vLLM
 
-SCRIPT = r"""
+SCRIPT = IDLE_STEP + r"""
 from vllm import LLM, SamplingParams
 kw = dict(ARGS["kw"])
 # Pinned on every host: the step budget, and prefix caching off on both sides (stock hybrids
@@ -86,11 +87,7 @@ abort_tokens = 48
     again = llm.generate([prompts[i] for i in failed], greedy(48)) if failed else []
     res["again"] = {i: list(o.outputs[0].token_ids) for i, o in zip(failed, again)}
 llm.generate(prompts[:1], greedy(1))  # one more request: its step ships fresh figures
-import os
-if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
-    # An in-process core steps only when asked: the empty step that freed pages keep pending
-    # (a separate core process takes it by itself).
-    llm.llm_engine.step()
+idle_step()  # the empty step that carries the freed pages (a core process takes it itself)
 res["usage_end"] = usage()
 """ + EMIT_WITH_METRICS
 
@@ -108,6 +105,7 @@ def _run(model, backend: str, dtype: str, kw: dict, base: int, out: int, env=Non
 # IN_PROCESS, the engine core in the script's process: `eng.step()` is one engine step, so the
 # abort lands at the same step in both runs (a separate core process may run ahead of the
 # client, and in bf16 another batch at another step is another result).
+
 
 def _check_prefix_caching_off(ula: dict) -> None:
     """Prefix caching pinned off (``SCRIPT``): the running engine had it off, its config says

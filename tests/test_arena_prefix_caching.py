@@ -155,10 +155,11 @@ def test_sliding_window_prefix_caching_parity(swa_runs):
 # and stock's attention block B is inflated to hold a state page while the arena's is 32
 # tokens. B depends on the host: 640 tokens on the tiny model where vLLM keeps the state in
 # float32 (AVX512-BF16 hosts), 384 where it stays bf16 (AVX2 hosts). Both runs read B from
-# their engine (the arena: the block it splits prefills at, its computation of stock's). Parity needs the same schedule and equal hit lengths: one wave at
-# a time, prompts of token ids whose hits end at B on both sides (a B+20-token prompt resent:
-# the replay boundary rounds down to B with either block; prefix variants sharing exactly B
-# tokens: their junction is at B on both sides).
+# their engine (the arena: the block it splits prefills at, its computation of stock's).
+# Parity needs the same schedule and equal hit lengths: one wave at a time, prompts of token
+# ids whose hits end at B on both sides (a B+20-token prompt resent: the replay boundary
+# rounds down to B with either block; prefix variants sharing exactly B tokens: their
+# junction is at B on both sides).
 QWEN_SCRIPT = r"""
 import random
 from vllm import LLM, SamplingParams
