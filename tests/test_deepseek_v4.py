@@ -31,7 +31,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from _vllm_subprocess import NO_V4_KERNELS, host_runs_v4, run_side_by_side, run_vllm_script
+from _vllm_subprocess import (IN_PROCESS, NO_V4_KERNELS, host_runs_v4, run_side_by_side,
+                              run_vllm_script)
 
 V4 = "deepseek_v4"
 LONG_TOKENS = 2400  # > 4 x index_topk (2048): the indexer's top-k is real
@@ -447,12 +448,11 @@ def v4_runs(request, tiny_model, v4_prompts):
     short, long = v4_prompts
     args = dict(model=str(tiny_model(V4)), short=short, long=long, short_text=SHORT_PROMPTS,
                 max_model_len=MAX_MODEL_LEN, max_tokens=MAX_TOKENS)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if not host_runs_v4():
-        return [run_vllm_script(REFUSED_SCRIPT, args=args, timeout=600, env=env)]
-    scripts = [(ENGINE_SCRIPT, env)]
+        return [run_vllm_script(REFUSED_SCRIPT, args=args, timeout=600, env=dict(IN_PROCESS))]
+    scripts = [(ENGINE_SCRIPT, {})]
     if STOCK_TEST in {item.originalname for item in request.session.items}:
-        scripts.append((STOCK_SCRIPT, {**env, "VLLM_PLUGINS": general_plugins_but_ulacache()}))
+        scripts.append((STOCK_SCRIPT, {"VLLM_PLUGINS": general_plugins_but_ulacache()}))
 
     def call(script, env):
         def run(bind):
@@ -462,7 +462,7 @@ def v4_runs(request, tiny_model, v4_prompts):
             return res
         return run
 
-    runs = run_side_by_side(*(call(*x) for x in scripts))
+    runs = run_side_by_side(*(call(*x) for x in scripts), in_process=True)
     r = runs[0]
     print(f"\nV4 engine script: {r['script_s']:.1f} s (refusal at {r['refusal_s']:.1f} s, "
           f"boot {r['boot_s']:.1f} s, short {r['short']['s']:.1f} s, long "

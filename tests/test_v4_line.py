@@ -175,11 +175,10 @@ def v4_line_runs(tiny_model):
     model = str(tiny_model(V4))
     base = dict(model=model, max_model_len=MAX_MODEL_LEN, out=12,
                 pressure_out=40)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
     def call(backend, kw):
         args = {**base, "backend": backend, "kw": {"kv_backend": backend, **kw}}
-        return lambda bind: run_vllm_script(SCRIPT, args=args, timeout=900, env={**env, **bind})
+        return lambda bind: run_vllm_script(SCRIPT, args=args, timeout=900, env=bind)
 
     # The arena: room for the batches stock admits, little more (72 MiB was ~1.4 max_model_len
     # requests when a prefill chunk's compressor states took pages; now ~9 of them);
@@ -187,7 +186,7 @@ def v4_line_runs(tiny_model):
     ula, ref = run_side_by_side(
         call("ulacache", dict(kv_cache_memory_bytes=ULA_BUDGET, ula_arena_force_moves=2,
                               ula_v4_csa_device_rows=CSA_DEVICE_ROWS)),
-        call("vllm", dict(kv_cache_memory_bytes=256 << 20)))
+        call("vllm", dict(kv_cache_memory_bytes=256 << 20)), in_process=True)
     # And an arena barely above one max_model_len request (its startup check: ~8 MB) for
     # the near-max_model_len prompts alone.
     # The same with prefix caching off (on every host kind): a prefill chunk's compressor
@@ -198,7 +197,7 @@ def v4_line_runs(tiny_model):
     states = call("ulacache", dict(kv_cache_memory_bytes=TIGHT_BUDGET,
                                    enable_prefix_caching=False,
                                    ula_v4_csa_device_rows=CSA_DEVICE_ROWS))
-    return (ref, ula, *run_side_by_side(tight, states))
+    return (ref, ula, *run_side_by_side(tight, states, in_process=True))
 
 
 ULA_BUDGET = 72 << 20
