@@ -272,6 +272,29 @@ def test_mtp_draft_layers_count_for_the_host_pool():
     assert _draft_kv_layers(cfg) == 0
 
 
+def test_arena_refuses_speculative_decoding_with_align_mode_prefix_caching():
+    """Qwen3-Next (GDN) with a draft and prefix caching: vLLM's 'align' mamba mode copies
+    states with a Triton kernel the CPU build lacks (stock fails at the first decode step:
+    `benchmarks/results/parity_fuzz.md`); the arena refuses it at start-up, naming both
+    fixes. Without the draft, without prefix caching or without align mode it passes."""
+    from types import SimpleNamespace as NS
+
+    from ulacache_vllm.engine.arena.sizing import refuse_speculative_in_align_mode
+
+    def cfg(spec=True, caching=True, mode="align"):
+        return NS(speculative_config=NS(method="mtp") if spec else None,
+                  cache_config=NS(enable_prefix_caching=caching, mamba_cache_mode=mode),
+                  model_config=NS(hf_config=NS(architectures=["Qwen3NextForCausalLM"])))
+
+    with pytest.raises(ula_config.KVBackendError) as e:
+        refuse_speculative_in_align_mode(cfg())
+    msg = str(e.value)
+    assert "Qwen3NextForCausalLM" in msg and "precopy_mamba_align_fused_kernel" in msg, msg
+    assert "--no-enable-prefix-caching" in msg and "--speculative-config" in msg, msg
+    for ok in (cfg(spec=False), cfg(caching=False), cfg(mode="none"), cfg(mode="all")):
+        refuse_speculative_in_align_mode(ok)
+
+
 def test_engine_args_take_the_backend_and_settings_as_keywords():
     """vLLM's convention: every LLM keyword is an EngineArgs field; a programmatic engine
     (AsyncLLM.from_engine_args) chooses the backend the same way, validated the same way."""

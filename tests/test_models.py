@@ -91,6 +91,33 @@ def test_overrides(tmp_path):
     assert json.loads((d / "config.json").read_text())["index_topk"] == 2048
 
 
+@pytest.mark.parametrize("layers,dense_first,mtp_moe", [
+    (2, 1, True),   # the default: the MTP block copies decoder layer 1 (MoE)
+    (1, 1, True),   # every decoder layer dense, the MTP layer (index 1) MoE in vLLM
+    (2, 3, False),  # MTP layer (index 2) below first_k_dense_replace: dense, as layer 1
+])
+def test_mtp_block_has_the_mlp_vllm_builds_at_its_index(tmp_path, layers, dense_first, mtp_moe):
+    """vLLM builds DeepSeek MTP layer N as `DeepseekV2DecoderLayer` N: routed experts iff
+    N >= first_k_dense_replace. The factory's MTP block has that MLP's tensors (a 1-layer
+    all-dense model with MTP failed to load in vLLM: KeyError on the block's dense MLP)."""
+    from safetensors import safe_open
+
+    d = build_model("deepseek_v32", tmp_path / "m", overrides={
+        "num_hidden_layers": layers, "first_k_dense_replace": dense_first,
+        "num_nextn_predict_layers": 1})
+    with safe_open(str(d / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        mlp = {k.split(".mlp.", 1)[1] for k in keys if k.startswith(f"model.layers.{layers}.mlp.")}
+        assert any(k.startswith("experts.") for k in mlp) == mtp_moe, sorted(mlp)[:6]
+        assert ("gate_proj.weight" in mlp) == (not mtp_moe), sorted(mlp)[:6]
+        same_kind = [j for j in range(layers) if (j >= dense_first) == mtp_moe]
+        if same_kind:  # a copy of the last decoder layer of its kind
+            src = f"model.layers.{same_kind[-1]}.mlp."
+            for k in sorted(mlp)[:4]:
+                assert f.get_tensor(src + k).equal(f.get_tensor(f"model.layers.{layers}.mlp." + k))
+    assert json.loads((d / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
 def test_refuses_foreign_dir(tmp_path):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "keep.txt").write_text("mine")

@@ -14,10 +14,11 @@ build): its arena gets room and forced moves instead of pressure, so both run th
 
 A case is one of: token-exact, a startup refusal (the message is printed: it must name the sizes
 and the fix), a mismatch, a leak (prefix caching off and something left in the pools at the
-end) or a crash; the last three exit 1. The pressure counters each ulacache run
+end), a crash (the last three exit 1), or "stock fails" (stock vLLM itself crashed or refused:
+no reference; what ulacache did is recorded). The pressure counters each ulacache run
 reached are kept (demotions, promotions, compactions, preemptions, prefix hits).
 
-    python benchmarks/lab/parity_fuzz.py --seeds 0-39 [--tp 2] [--out FILE.json]
+    python benchmarks/lab/parity_fuzz.py --seeds 0-39 [--tp 2] [--spec] [--out FILE.json]
 
 Results: benchmarks/results/parity_fuzz.md.
 """
@@ -60,7 +61,9 @@ if a["second"]:
 llm.llm_engine.step()  # (in-process core) the empty step that ships the last frees
 res["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                   if m.name.startswith("vllm:ulacache_")
-                  or m.name in ("vllm:num_preemptions", "vllm:prefix_cache_hits")}
+                  or m.name in ("vllm:num_preemptions", "vllm:prefix_cache_hits",
+                                "vllm:spec_decode_num_draft_tokens",
+                                "vllm:spec_decode_num_accepted_tokens")}
 if a["kw"]["kv_backend"] == "ulacache":
     res["usage"] = llm.collective_rpc("ulacache_usage")  # one per rank
 print(a["mark"] + json.dumps(res))
@@ -112,6 +115,33 @@ def draw(seed: int, tp: int = 1) -> dict:
                 second=rng.random() < 0.5, force_moves=rng.choice([0, 0, 2, 3]))
 
 
+def add_speculation(c: dict) -> dict:
+    """``c`` with speculative decoding on both engines, drawn from a second RNG of its seed (the
+    case's other draws stay as without): DSA, an MTP layer built to agree with its target
+    (``mtp_block_scale``), one draft token; Qwen3-Next, an MTP layer and two; Gemma 3 and
+    GPT-OSS, n-gram drafts of 1-3 tokens. Half the prompts become a short motif repeated, on
+    which drafts get accepted (the random targets repeat themselves often)."""
+    rng = random.Random(1_000_003 * c["seed"] + 17)
+    c = dict(c, shape=dict(c["shape"]))
+    if c["family"] in DSA:
+        c["shape"].update(num_nextn_predict_layers=1, mtp_block_scale=0.1)
+        c["spec"] = {"method": "mtp", "num_speculative_tokens": 1}
+    elif c["family"] == "qwen3_next":
+        c["shape"].update(num_nextn_predict_layers=1, initializer_range=0.004)
+        c["spec"] = {"method": "mtp", "num_speculative_tokens": 2}
+    else:
+        c["spec"] = {"method": "ngram", "num_speculative_tokens": rng.choice([1, 2, 3]),
+                     "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    prompts = []
+    for p in c["prompts"]:
+        if rng.random() < 0.5:
+            motif = [rng.randrange(1, 1000) for _ in range(rng.randint(1, 4))]
+            p = (motif * (len(p) // len(motif) + 1))[:len(p)]
+        prompts.append(p)
+    c["prompts"] = prompts
+    return c
+
+
 def engine_kwargs(c: dict) -> tuple[dict, dict]:
     """(stock, ulacache) LLM keyword arguments for case ``c``."""
     fam, shape, mml = c["family"], c["shape"], c["max_model_len"]
@@ -127,6 +157,9 @@ def engine_kwargs(c: dict) -> tuple[dict, dict]:
     else:
         base = dict(enable_prefix_caching=c["prefix_caching"], max_num_batched_tokens=max(mml, 512))
     base.update(max_num_seqs=8, tensor_parallel_size=c["tp"])
+    if c.get("spec"):
+        base["speculative_config"] = c["spec"]
+        layers += shape.get("num_nextn_predict_layers", 0)  # the MTP layer's KV too
     stock = dict(base, kv_backend="vllm", kv_cache_memory_bytes=512 << 20)
     if fam in DSA:  # (per rank: in TP shard mode each rank holds every other token's row)
         host = max(mml + 16, int(tokens * c["fraction"])) // c["tp"]
@@ -215,12 +248,16 @@ def run_case(c: dict, models: Path, timeout: float) -> dict:
         ref, ula = ref_f.result(), ula_f.result()
     out = {k: c[k] for k in ("seed", "tp", "family", "shape", "max_model_len", "prefix_caching",
                              "fraction", "second")}
+    out["spec"] = c.get("spec")
     out.update(requests=len(c["prompts"]), ula_kv_bytes=ula_kw["kv_cache_memory_bytes"],
                ula_host_gib=ula_kw.get("ula_host_pool_gib"), wall_s=round(time.time() - t, 1))
-    if "crash" in ref or "crash" in ula:
-        out["result"], out["detail"] = "crash", ula.get("crash") or ref.get("crash")
-    elif "boot_error" in ref:
-        out["result"], out["detail"] = "crash", "stock refused: " + ref["boot_error"]
+    if "crash" in ref or "boot_error" in ref:  # no reference: ulacache's side is told apart
+        out["result"] = "stock fails"
+        out["detail"] = {"stock": (ref.get("crash") or ref.get("boot_error"))[-1500:],
+                         "ulacache": ("refused: " + ula["boot_error"] if "boot_error" in ula
+                                      else (ula.get("crash") or "ran")[-1500:])}
+    elif "crash" in ula:
+        out["result"], out["detail"] = "crash", ula["crash"]
     elif "boot_error" in ula:
         out["result"], out["detail"] = "refused", ula["boot_error"]
     else:
@@ -261,28 +298,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--tp", type=int, default=1, choices=(1, 2),
                    help="tensor parallel size of both engines (2: rank r of each on CPU share r)")
+    p.add_argument("--spec", action="store_true",
+                   help="speculative decoding on both engines (MTP for DSA and Qwen3-Next, "
+                        "n-gram for Gemma 3 and GPT-OSS; `add_speculation`)")
     p.add_argument("--out", default=None, help="JSON file for every case's record")
     a = p.parse_args(argv)
     models = Path(a.models)
     models.mkdir(parents=True, exist_ok=True)
     records, t0 = [], time.time()
     for seed in parse_seeds(a.seeds):
-        r = run_case(draw(seed, a.tp), models, a.timeout)
+        c = draw(seed, a.tp)
+        r = run_case(add_speculation(c) if a.spec else c, models, a.timeout)
         records.append(r)
         moved = {k: v for k, v in (r.get("ulacache") or {}).items()
                  if k in ("demotions", "promotions", "remote_rows_fetched", "arena_compactions",
-                          "arena_relayouts", "num_preemptions", "prefix_cache_hits")}
+                          "arena_relayouts", "num_preemptions", "prefix_cache_hits",
+                          "spec_decode_num_accepted_tokens")}
         print(f"seed {seed:4d} {r['family']:13s} mml {r['max_model_len']:5d} "
               f"n {r['requests']} pc {int(r['prefix_caching'])} {r['result']:8s} "
               f"{r['wall_s']:6.1f} s {moved}", flush=True)
         if r["result"] != "exact":
             print(f"    {str(r.get('detail'))[:600]}", flush=True)
     counts = {k: sum(r["result"] == k for r in records)
-              for k in ("exact", "refused", "mismatch", "leak", "crash")}
+              for k in ("exact", "refused", "mismatch", "leak", "crash", "stock fails")}
     print(f"{len(records)} cases in {time.time() - t0:.0f} s: {counts}")
     if a.out:
         Path(a.out).write_text(json.dumps({"host": cpu_host(), "seeds": a.seeds, "tp": a.tp,
-                                           "counts": counts, "cases": records}, indent=1))
+                                           "spec": a.spec, "counts": counts, "cases": records},
+                                          indent=1))
     return 1 if counts["mismatch"] or counts["leak"] or counts["crash"] else 0
 
 

@@ -82,13 +82,32 @@ def _random_weights(config, d: Path, seed: int) -> None:
     model.save_pretrained(str(d), safe_serialization=True)
 
 
-def _add_mtp_layers(d: Path, kwargs: dict[str, Any], seed: int) -> None:
+def _is_moe_layer(kwargs: dict[str, Any], i: int) -> bool:
+    """Whether vLLM's DeepSeek decoder layer ``i`` (an MTP layer's block too) has routed
+    experts: `DeepseekV2DecoderLayer`'s rule."""
+    return (kwargs.get("n_routed_experts") is not None
+            and i >= int(kwargs.get("first_k_dense_replace", 0))
+            and i % int(kwargs.get("moe_layer_freq", 1) or 1) == 0)
+
+
+def _deeper_layers(name: str, kwargs: dict[str, Any], layers: int, seed: int) -> dict[str, Any]:
+    """The saved tensors of the same family and shape built ``layers`` deep (seed + 2)."""
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as t:
+        _random_weights(_make_config(name, {**kwargs, "num_hidden_layers": layers}, {}),
+                        Path(t), seed + 2)
+        return load_file(str(Path(t) / WEIGHTS))
+
+
+def _add_mtp_layers(d: Path, name: str, kwargs: dict[str, Any], seed: int) -> None:
     """Append DeepSeek MTP (next-n prediction) layers, which transformers does not build.
 
-    Layer ``N + i`` (vLLM's `DeepSeekMTP` names) gets a copy of the last decoder layer as its
-    block, unit `enorm`/`hnorm`, the final norm and LM head as `shared_head`, and an
-    `eh_proj` that mostly passes the previous hidden state through (so drafts are sometimes
-    accepted even with random weights).
+    Layer ``N + i`` (vLLM's `DeepSeekMTP` names) gets a copy of the last decoder layer of its
+    own kind (MoE or dense MLP, as vLLM builds layer ``N + i``) as its block, unit
+    `enorm`/`hnorm`, the final norm and LM head as `shared_head`, and an `eh_proj` that mostly
+    passes the previous hidden state through (so drafts are sometimes accepted even with
+    random weights).
 
     Option (an override, kept in config.json as a record; vLLM ignores it)
     ``mtp_block_scale=S``: an MTP layer built to agree with its target. `eh_proj` passes the
@@ -109,11 +128,21 @@ def _add_mtp_layers(d: Path, kwargs: dict[str, Any], seed: int) -> None:
     gen = torch.Generator().manual_seed(seed + 1)
     scale = kwargs.get("mtp_block_scale")
     scale = None if scale is None else float(scale)
-    last = f"model.layers.{n - 1}."
-    for i in range(int(kwargs["num_nextn_predict_layers"])):
+    k_mtp = int(kwargs["num_nextn_predict_layers"])
+    extra: dict[str, Any] | None = None
+    for i in range(k_mtp):
         pre = f"model.layers.{n + i}."
-        for k in [k for k in tensors if k.startswith(last)]:
-            tensors[pre + k[len(last):]] = tensors[k].clone()
+        # The block's MLP is what vLLM builds for layer n + i (MoE or dense): a copy of the
+        # last decoder layer of that kind, else (every decoder layer of the other kind) the
+        # layer transformers builds at that index in a deeper model of the same shape.
+        same = [j for j in range(n) if _is_moe_layer(kwargs, j) == _is_moe_layer(kwargs, n + i)]
+        if same:
+            src, last = tensors, f"model.layers.{same[-1]}."
+        else:
+            extra = extra if extra is not None else _deeper_layers(name, kwargs, n + k_mtp, seed)
+            src, last = extra, pre
+        for k in [k for k in src if k.startswith(last)]:
+            tensors[pre + k[len(last):]] = src[k].clone()
         tensors[pre + "enorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
         tensors[pre + "hnorm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
         eh = torch.cat([0.05 * torch.randn(hidden, hidden, generator=gen),
@@ -226,7 +255,10 @@ def build_model(
         _random_weights(config, tmp, seed)
         mtp = src is None and int(kwargs.get("num_nextn_predict_layers", 0) or 0) > 0
         if mtp:
-            (_add_qwen3_next_mtp if name == "qwen3_next" else _add_mtp_layers)(tmp, kwargs, seed)
+            if name == "qwen3_next":
+                _add_qwen3_next_mtp(tmp, kwargs, seed)
+            else:
+                _add_mtp_layers(tmp, name, kwargs, seed)
         if src is not None:
             info["dropped_tensors"] = _copy_weights(tmp, src)
         _finish_config(name, tmp, kwargs)

@@ -374,6 +374,25 @@ def refuse_speculative(vllm_config: Any) -> None:
         f"{spec.method!r} drafts.")
 
 
+def refuse_speculative_in_align_mode(vllm_config: Any) -> None:
+    """Speculative decoding with prefix caching on a GDN hybrid (vLLM's mamba cache mode
+    'align') copies states through a Triton kernel (`precopy_mamba_align_fused_kernel`)
+    that vLLM's CPU build does not have: stock vLLM fails at the first decode step. Refused at
+    start-up instead, naming both ways out."""
+    cc = vllm_config.cache_config
+    if (getattr(vllm_config, "speculative_config", None) is None
+            or not cc.enable_prefix_caching
+            or getattr(cc, "mamba_cache_mode", "none") != "align"):
+        return
+    arch = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
+    raise KVBackendError(
+        f"speculative decoding with prefix caching on {arch or 'this model'} (mamba cache mode "
+        f"'align') needs vLLM's Triton kernel precopy_mamba_align_fused_kernel, which vLLM's "
+        f"CPU build does not have (stock vLLM fails at the first decode step). Turn prefix "
+        f"caching off (--no-enable-prefix-caching; enable_prefix_caching=False) or drop "
+        f"--speculative-config.")
+
+
 def prepare(vllm_config: Any, settings: UlaSettings) -> None:
     """Hybrid models: what the arena does not support yet is refused here, naming the fix;
     the attention page defaults to 32 tokens instead of the CPU build's 128."""
@@ -405,6 +424,7 @@ def prepare(vllm_config: Any, settings: UlaSettings) -> None:
         # (platforms/cpu.py `check_and_update_config`); stock re-aligns it afterwards, the
         # arena skips that alignment (patches/hybrid_block_size.py).
         cc.user_specified_block_size = True
+    refuse_speculative_in_align_mode(vllm_config)
     if cc.enable_prefix_caching and getattr(cc, "mamba_cache_mode", "none") == "align":
         # A state checkpoint per attention page (vLLM re-syncs this in the block-size
         # alignment the arena skips): hits land on the same boundaries in every group, and no
