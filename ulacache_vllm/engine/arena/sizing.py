@@ -357,16 +357,21 @@ def prepare_engine_args(engine_args: Any) -> None:
 ARENA_SPEC_METHODS = ("ngram", "mtp")
 
 
+def _model_name(vllm_config: Any) -> str:
+    """The model's architectures, for a refusal's message."""
+    arch = getattr(vllm_config.model_config.hf_config, "architectures", None) or []
+    return ",".join(arch) or "this model"
+
+
 def refuse_speculative(vllm_config: Any) -> None:
     """Speculative methods the arena does not run yet are refused, naming the combination
     and the fix."""
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is None or spec.method in ARENA_SPEC_METHODS:
         return
-    arch = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
     raise KVBackendError(
         f"--kv-backend ulacache's arena (hybrid models) does not run speculative decoding "
-        f"with method {spec.method!r} on {arch or 'this model'} yet: a separate draft "
+        f"with method {spec.method!r} on {_model_name(vllm_config)} yet: a separate draft "
         f"model's KV layers are not placed in the arena (it runs 'ngram', and 'mtp' for "
         f"models with their own MTP layer such as Qwen3-Next). Use "
         f"--speculative-config '{{\"method\": \"ngram\", \"num_speculative_tokens\": "
@@ -384,9 +389,8 @@ def refuse_speculative_in_align_mode(vllm_config: Any) -> None:
             or not cc.enable_prefix_caching
             or getattr(cc, "mamba_cache_mode", "none") != "align"):
         return
-    arch = ",".join(getattr(vllm_config.model_config.hf_config, "architectures", None) or [])
     raise KVBackendError(
-        f"speculative decoding with prefix caching on {arch or 'this model'} (mamba cache mode "
+        f"speculative decoding with prefix caching on {_model_name(vllm_config)} (mamba cache mode "
         f"'align') needs vLLM's Triton kernel precopy_mamba_align_fused_kernel, which vLLM's "
         f"CPU build does not have (stock vLLM fails at the first decode step). Turn prefix "
         f"caching off (--no-enable-prefix-caching; enable_prefix_caching=False) or drop "
