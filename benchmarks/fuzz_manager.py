@@ -2,12 +2,15 @@
 random admit / append / finish / preempt / abort / deferred-free operations checked against a
 reference model after each one. ``--arena``: the hybrid arena's manager and worker instead
 (lab/arena_fuzz.py: admit, chunked prefill, decode, finish, preempt, abort, forced and needed
-moves, failing copies), checked after every engine step. Prints operations per second and
-the counts; exits non-zero on the first violated invariant.
+moves, failing copies), checked after every engine step. ``--v4``: the DeepSeek-V4 line's
+manager (the arena and the CSA rows' logical block pool) with the arena's worker and the CSA
+rows' store (lab/v4_fuzz.py), on drawn layer schedules, budgets and step sizes. Prints
+operations per second and the counts; exits non-zero on the first violated invariant.
 
     python benchmarks/fuzz_manager.py --ops 100000 --seeds 3
     python benchmarks/fuzz_manager.py --arena --ops 100000 --seeds 3
     python benchmarks/fuzz_manager.py --arena --caching --ops 100000 --seeds 3
+    python benchmarks/fuzz_manager.py --v4 [--caching] --ops 20000 --seeds 3
 """
 from __future__ import annotations
 
@@ -26,11 +29,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--no-worker", action="store_true", help="the manager alone (faster)")
     ap.add_argument("--arena", action="store_true", help="the hybrid arena's manager + worker")
+    ap.add_argument("--v4", action="store_true",
+                    help="the DeepSeek-V4 line's manager, arena worker and CSA rows")
     ap.add_argument("--caching", action="store_true",
-                    help="--arena with vLLM's prefix caching on (hits, evictions, resets)")
+                    help="--arena / --v4 with vLLM's prefix caching on (hits, evictions, resets)")
     args = ap.parse_args(argv)
     if args.arena:
         return _arena(args)
+    if args.v4:
+        return _v4(args)
     for seed in range(args.seeds):
         t0 = time.perf_counter()
         st = run(seed, args.ops, worker=not args.no_worker)
@@ -68,6 +75,32 @@ def _arena(args) -> int:
                   f"{st.lost_pages}, hit tokens {st.hit_tokens}, cache evictions "
                   f"{st.cache_evictions}, cached pages moved {st.cached_pages_moved}, resets "
                   f"{st.resets}: all invariants held")
+    return 0
+
+
+def _v4(args) -> int:
+    import random
+
+    from lab.v4_fuzz import SCHEDULES
+    from lab.v4_fuzz import run as run_v4
+
+    for seed in range(args.seeds):
+        t0, steps, ops, part = time.perf_counter(), 0, 0, 0
+        while ops < args.ops:
+            rng = random.Random(seed * 1000 + part)
+            kw = dict(ratios=rng.choice(SCHEDULES), arena_requests=rng.choice((1.5, 2.5, 4)),
+                      host_requests=rng.choice((1.2, 2.5, 4)), force_moves=rng.choice((0, 0, 3)),
+                      max_model_len=rng.choice((1024, 2048)), batch=rng.choice((256, 512, 1024)))
+            st = run_v4(seed * 1000 + part, 300, caching=args.caching, **kw)
+            steps, ops, part = steps + st.steps, ops + sum(st.ops.values()), part + 1
+            print(f"  {kw}: ops {st.ops}, refused {st.refused}, preempted {st.preempted}, "
+                  f"hit tokens {st.hit_tokens}, CSA demotions {st.csa['demotions']} promotions "
+                  f"{st.csa['promotions']}, compactions {st.arena['arena_compactions']}, "
+                  f"relayouts {st.arena['arena_relayouts']}, transient state pages "
+                  f"{st.arena['transient_state_pages']}", flush=True)
+        dt = time.perf_counter() - t0
+        print(f"seed {seed} v4{' with prefix caching' if args.caching else ''}: {ops} ops over "
+              f"{steps} steps in {dt:.1f} s ({ops / dt:.0f}/s): all invariants held", flush=True)
     return 0
 
 

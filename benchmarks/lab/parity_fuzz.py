@@ -54,11 +54,35 @@ except Exception as e:
     sys.exit(0)
 prompts = [{"prompt_token_ids": p} for p in a["prompts"]]
 sps = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in a["max_tokens"]]
-res = {"out": [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sps, use_tqdm=False)]}
+if a.get("events"):  # arrivals and aborts by engine step (see add_aborts)
+    eng, out, step, added = llm.llm_engine, [[] for _ in prompts], 0, set()
+    aborted, ev = set(), a["events"]
+    while len(added) < len(prompts) or eng.has_unfinished_requests():
+        for i, e in enumerate(ev):
+            if i not in added and e["arrive"] <= step:
+                eng.add_request(str(i), prompts[i], sps[i])
+                added.add(i)
+        for o in eng.step():
+            out[int(o.request_id)] = list(o.outputs[0].token_ids)
+        cut = [i for i, e in enumerate(ev) if i in added and i not in aborted and (
+            (e["abort_tokens"] is not None and len(out[i]) >= e["abort_tokens"])
+            or (e["abort_step"] is not None and step >= e["abort_step"]))]
+        if cut:
+            eng.abort_request([str(i) for i in cut])
+            aborted.update(cut)
+        step += 1
+        assert step < 20000, "the engine stopped making progress"
+    res = {"out": out, "aborted": sorted(aborted), "steps": step}
+else:
+    res = {"out": [list(o.outputs[0].token_ids)
+                   for o in llm.generate(prompts, sps, use_tqdm=False)]}
 if a["second"]:
     outs = llm.generate(prompts[::-1], sps[::-1], use_tqdm=False)
     res["out2"] = [list(o.outputs[0].token_ids) for o in outs][::-1]
 llm.llm_engine.step()  # (in-process core) the empty step that ships the last frees
+if a.get("events") and a["kw"].get("enable_prefix_caching"):
+    res["reset"] = llm.reset_prefix_cache()  # then nothing may be left in the pools
+    llm.llm_engine.step()  # (the step that ships the reset's frees to the worker)
 res["metrics"] = {m.name: getattr(m, "value", None) for m in llm.get_metrics()
                   if m.name.startswith("vllm:ulacache_")
                   or m.name in ("vllm:num_preemptions", "vllm:prefix_cache_hits",
@@ -142,6 +166,25 @@ def add_speculation(c: dict) -> dict:
     return c
 
 
+def add_aborts(c: dict) -> dict:
+    """``c`` driven step by step (``LLMEngine.add_request`` / ``step`` / ``abort_request``), drawn
+    from a third RNG of its seed: each request arrives at step 0 or a later step, and is run to
+    the end, aborted once it has a drawn number of output tokens, or aborted at a drawn step
+    (waiting, in its prefill, preempted or decoding: wherever the schedule has it). The prompts
+    are then generated again in full (prefix-cache hits on what the aborted requests left), and
+    with prefix caching ``reset_prefix_cache()`` ends the run: nothing may be left in the pools.
+    Requests not aborted must match token for token; an aborted request's tokens must be a
+    prefix of the other engine's (their steps need not line up under pressure)."""
+    rng = random.Random(2_000_003 * c["seed"] + 29)
+    events = []
+    for n in c["max_tokens"]:
+        kind = rng.choice(["run", "run", "tokens", "step"])
+        events.append({"arrive": 0 if rng.random() < 0.6 else rng.randint(1, 40),
+                       "abort_tokens": rng.randint(1, max(1, n - 1)) if kind == "tokens" else None,
+                       "abort_step": rng.randint(0, 60) if kind == "step" else None})
+    return dict(c, events=events, second=True)
+
+
 def engine_kwargs(c: dict) -> tuple[dict, dict]:
     """(stock, ulacache) LLM keyword arguments for case ``c``."""
     fam, shape, mml = c["family"], c["shape"], c["max_model_len"]
@@ -204,7 +247,8 @@ def tp_share(tp: int) -> dict[str, str]:
 
 def run_engine(model: str, c: dict, kw: dict, share: dict, timeout: float) -> dict:
     args = dict(model=model, dtype=c["dtype"], mml=c["max_model_len"], prompts=c["prompts"],
-                max_tokens=c["max_tokens"], second=c["second"], kw=kw, mark=MARK)
+                max_tokens=c["max_tokens"], second=c["second"], kw=kw, mark=MARK,
+                events=c.get("events"))
     env = {**os.environ, **share, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "PARITY_FUZZ_ARGS": json.dumps(args)}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -261,11 +305,19 @@ def run_case(c: dict, models: Path, timeout: float) -> dict:
     elif "boot_error" in ula:
         out["result"], out["detail"] = "refused", ula["boot_error"]
     else:
-        same = ula["out"] == ref["out"] and ula.get("out2") == ref.get("out2")
+        cut = set(ula.get("aborted", [])) | set(ref.get("aborted", []))
+
+        def agree(i: int, a: list, b: list) -> bool:  # an aborted request: one a prefix
+            return a == b or (i in cut and a[:len(b)] == b[:len(a)])
+
+        bad = [i for i, (a, b) in enumerate(zip(ula["out"], ref["out"])) if not agree(i, a, b)]
+        same = not bad and ula.get("out2") == ref.get("out2")
         out["result"] = "exact" if same else "mismatch"
+        if "aborted" in ula:
+            out["aborted"] = {"ulacache": ula["aborted"], "stock": ref["aborted"],
+                              "steps": [ula["steps"], ref["steps"]]}
         if not same:
-            out["detail"] = {"requests": [i for i, (a, b) in enumerate(zip(ula["out"], ref["out"]))
-                                          if a != b],
+            out["detail"] = {"requests": bad,
                              "second_pass": [i for i, (a, b) in enumerate(
                                  zip(ula.get("out2") or [], ref.get("out2") or [])) if a != b]}
         m = ula["metrics"]
@@ -278,7 +330,10 @@ def run_case(c: dict, models: Path, timeout: float) -> dict:
         out["left"] = sum(u.get("arena_used_bytes",
                                 (u.get("device_used") or 0) + (u.get("host_used") or 0))
                           for u in ula["usage"])
-        if out["result"] == "exact" and not c["prefix_caching"] and out["left"]:
+        emptied = not c["prefix_caching"] or ula.get("reset") is True
+        if out["result"] == "exact" and "reset" in ula and ula["reset"] is not True:
+            out["result"], out["detail"] = "leak", "reset_prefix_cache() refused at the end"
+        elif out["result"] == "exact" and emptied and out["left"]:
             out["result"], out["detail"] = "leak", f"{out['left']} left in the pools"
     return out
 
@@ -301,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spec", action="store_true",
                    help="speculative decoding on both engines (MTP for DSA and Qwen3-Next, "
                         "n-gram for Gemma 3 and GPT-OSS; `add_speculation`)")
+    p.add_argument("--aborts", action="store_true",
+                   help="requests arrive at drawn steps and some are aborted (`add_aborts`)")
     p.add_argument("--out", default=None, help="JSON file for every case's record")
     a = p.parse_args(argv)
     models = Path(a.models)
@@ -308,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     records, t0 = [], time.time()
     for seed in parse_seeds(a.seeds):
         c = draw(seed, a.tp)
-        r = run_case(add_speculation(c) if a.spec else c, models, a.timeout)
+        c = add_speculation(c) if a.spec else c
+        r = run_case(add_aborts(c) if a.aborts else c, models, a.timeout)
         records.append(r)
         moved = {k: v for k, v in (r.get("ulacache") or {}).items()
                  if k in ("demotions", "promotions", "remote_rows_fetched", "arena_compactions",
@@ -316,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                           "spec_decode_num_accepted_tokens")}
         print(f"seed {seed:4d} {r['family']:13s} mml {r['max_model_len']:5d} "
               f"n {r['requests']} pc {int(r['prefix_caching'])} {r['result']:8s} "
-              f"{r['wall_s']:6.1f} s {moved}", flush=True)
+              f"{r['wall_s']:6.1f} s {moved}"
+              + (f" aborted {r['aborted']['ulacache']}" if "aborted" in r else ""), flush=True)
         if r["result"] != "exact":
             print(f"    {str(r.get('detail'))[:600]}", flush=True)
     counts = {k: sum(r["result"] == k for r in records)
@@ -324,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(records)} cases in {time.time() - t0:.0f} s: {counts}")
     if a.out:
         Path(a.out).write_text(json.dumps({"host": cpu_host(), "seeds": a.seeds, "tp": a.tp,
-                                           "spec": a.spec, "counts": counts, "cases": records},
+                                           "spec": a.spec, "aborts": a.aborts, "counts": counts,
+                                           "cases": records},
                                           indent=1))
     return 1 if counts["mismatch"] or counts["leak"] or counts["crash"] else 0
 
