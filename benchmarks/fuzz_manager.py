@@ -79,25 +79,28 @@ def _arena(args) -> int:
 
 
 def _v4(args) -> int:
+    import logging
     import random
 
     from lab.v4_fuzz import SCHEDULES
     from lab.v4_fuzz import run as run_v4
 
+    logging.getLogger("vllm.ulacache").setLevel(logging.CRITICAL)  # the injected faults' lines
     for seed in range(args.seeds):
         t0, steps, ops, part = time.perf_counter(), 0, 0, 0
         while ops < args.ops:
             rng = random.Random(seed * 1000 + part)
             kw = dict(ratios=rng.choice(SCHEDULES), arena_requests=rng.choice((1.5, 2.5, 4)),
                       host_requests=rng.choice((1.2, 2.5, 4)), force_moves=rng.choice((0, 0, 3)),
-                      max_model_len=rng.choice((1024, 2048)), batch=rng.choice((256, 512, 1024)))
+                      max_model_len=rng.choice((1024, 2048)), batch=rng.choice((256, 512, 1024)),
+                      fault_every=rng.choice((0, 0, 8)))
             st = run_v4(seed * 1000 + part, 300, caching=args.caching, **kw)
             steps, ops, part = steps + st.steps, ops + sum(st.ops.values()), part + 1
             print(f"  {kw}: ops {st.ops}, refused {st.refused}, preempted {st.preempted}, "
                   f"hit tokens {st.hit_tokens}, CSA demotions {st.csa['demotions']} promotions "
                   f"{st.csa['promotions']}, compactions {st.arena['arena_compactions']}, "
                   f"relayouts {st.arena['arena_relayouts']}, transient state pages "
-                  f"{st.arena['transient_state_pages']}", flush=True)
+                  f"{st.arena['transient_state_pages']}, lost pages {st.lost_pages}", flush=True)
         dt = time.perf_counter() - t0
         print(f"seed {seed} v4{' with prefix caching' if args.caching else ''}: {ops} ops over "
               f"{steps} steps in {dt:.1f} s ({ops / dt:.0f}/s): all invariants held", flush=True)

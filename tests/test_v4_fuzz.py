@@ -36,3 +36,16 @@ def test_prefix_caching_hits_evictions_and_resets_keep_every_page_and_row():
     assert st.arena["arena_cache_evictions"] > 0, st.arena
     assert st.arena["arena_cached_pages_moved"] > 0, st.arena
     assert st.csa["demotions"] > 0 and st.csa["promotions"] > 0, st.csa
+
+
+def test_a_failed_arena_copy_ends_only_the_requests_holding_lost_pages():
+    """A failing page move loses arena pages: the requests holding one end (their CSA blocks and
+    rows freed with them), every other request runs on. A CSA block id is a logical block of
+    the CSA pool, not an arena page: a lost page with the same number ends no one (it did,
+    before `V4KVCacheManager.page_ids`)."""
+    import logging
+
+    logging.getLogger("vllm.ulacache").setLevel(logging.CRITICAL)  # the injected faults' lines
+    st = run(0, 150, force_moves=3, fault_every=6)
+    assert st.lost_pages > 0 and st.ops.get("ended_by_fault", 0) > 0, st.ops
+    assert st.ops["decode"] > 100 and st.ops.get("finish", 0) > 0, st.ops

@@ -61,6 +61,7 @@ class V4FuzzStats:
     resets: int = 0
     rows_written: int = 0
     rows_read: int = 0
+    lost_pages: int = 0  # arena pages a failed copy lost (``fault_every``)
     csa: dict = field(default_factory=dict)  # the CSA rows' counters at the end
     arena: dict = field(default_factory=dict)  # the manager's figures at the end
 
@@ -187,7 +188,9 @@ class V4Harness(Harness):
         self.csa.free(payload.csa_dead)
         self.worker.apply(plan)
         self.lost = self.worker.take_lost()
-        assert not self.lost, "no fault is injected here"
+        for vid in self.lost:  # (their requests are the caller's to end)
+            self.content.pop(vid, None)
+            self.by_hash = {k: v for k, v in self.by_hash.items() if k[1] != vid}
         for vid in mgr.arena.p2v(plan.new[:, 0]).tolist():  # (every kind zeroed: `manager`)
             self.content.pop(vid, None)  # a new page (a recycled vid): refilled below
             self.by_hash = {k: v for k, v in self.by_hash.items() if k[1] != vid}
@@ -316,27 +319,31 @@ def _check_holdings(mgr, h: V4Harness, live: dict, caching: bool) -> None:
 
 def run(seed: int, num_steps: int, *, caching: bool = False, arena_requests: float = 2.5,
         host_requests: float = 2.5, force_moves: int = 0, max_model_len: int = 2048,
-        batch: int = 512, ratios: list[int] | None = None) -> V4FuzzStats:
+        batch: int = 512, ratios: list[int] | None = None,
+        fault_every: int = 0) -> V4FuzzStats:
     """``num_steps`` engine steps of random operations. The arena holds about
     ``arena_requests`` requests of max_model_len, the CSA host pool ``host_requests``, the
     CSA device pool one step's new rows and a little more (so rows live on the host);
-    ``ratios``: the layer schedule (`CONFIG`'s by default). Runs on one thread: page-sized
+    ``ratios``: the layer schedule (`CONFIG`'s by default); ``fault_every``: about one step in
+    this many has a failing arena copy (0: none): the requests holding a lost page end, and only
+    those (a CSA block id is no arena page). Runs on one thread: page-sized
     tensor ops are far slower over OpenMP's threads, and slower still on a busy host."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _run(seed, num_steps, caching, arena_requests, host_requests, force_moves,
-                    max_model_len, batch, ratios)
+                    max_model_len, batch, ratios, fault_every)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, max_model_len,
-         batch, ratios) -> V4FuzzStats:
+         batch, ratios, fault_every) -> V4FuzzStats:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request, RequestStatus
 
     from ulacache_vllm.engine.dsa.sizing import GIB
+    from ulacache_vllm.engine.faults import MoveFaults
 
     rng = random.Random(seed)
     seqs = 4
@@ -443,6 +450,8 @@ def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, m
         return done
 
     for _ in range(num_steps):
+        if fault_every and rng.random() < 1 / fault_every:
+            h.worker.faults = MoveFaults("raise", moves=("arena",), count=1)
         for req in list(live.values()):
             r = rng.random()
             if r < 0.02:
@@ -473,6 +482,15 @@ def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, m
             waiting.append(Request(f"r{counter}", tokens, SamplingParams(max_tokens=1 << 20),
                                    None, block_hasher=hasher))
         h.step(schedule)
+        if h.lost:  # the scheduler ends the requests holding lost pages with an error
+            stats.lost_pages += len(h.lost)
+            for rid in sorted(mgr.lost_block_owners(h.lost, live.values())):
+                assert any(h.lost.intersection(ids) for ids in h.arena_ids(rid)), \
+                    f"{rid} ended by a lost page it does not hold"
+                end(live[rid], "ended_by_fault")
+            for req in live.values():
+                assert not any(h.lost.intersection(ids) for ids in h.arena_ids(req.request_id)), \
+                    f"{req.request_id} holds a lost page and runs on"
         stats.steps += 1
         _check_holdings(mgr, h, live, caching)
         h.check_rows(live)

@@ -458,6 +458,10 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
     def has_withheld_bytes(self) -> bool:
         return self.arena.pending_bytes > 0
 
+    def page_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The arena pages (vids) a request holds, per group: here every group's block ids."""
+        return self.get_block_ids(request_id)
+
     def lost_block_owners(self, vids, requests, vllm_default=None) -> set[str]:
         """The ids of ``requests`` holding any of ``vids`` in any group (vids are unique
         across kinds: one arena numbers them all). vLLM maps lost blocks to requests only for
@@ -467,7 +471,7 @@ class ArenaKVCacheManager(LineManager, KVCacheManager):
         # cached ones go back to the arena, held ones are freed with their requests).
         self.block_pool.evict_blocks(vids)
         failed = {r.request_id for r in requests
-                  if any(vids.intersection(ids) for ids in self.get_block_ids(r.request_id))}
+                  if any(vids.intersection(ids) for ids in self.page_ids(r.request_id))}
         if failed:
             logger.error("Failing %d request(s) due to KV load failure: a page move lost %d "
                          "arena pages. Request IDs: %s", len(failed), len(vids), sorted(failed))

@@ -152,6 +152,12 @@ class V4KVCacheManager(ArenaKVCacheManager):
             self.transient_state_pages += sum(flags)
         return True
 
+    def page_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The arena's groups only: the CSA group's ids are logical blocks of its own pool (a
+        lost arena page with the same number is not one of them)."""
+        ids = self.get_block_ids(request_id)
+        return tuple(g for i, g in enumerate(ids) if i != self.layout.csa.group)
+
     def take_step(self) -> V4StepPayload:
         dead, self.csa_pool.dead = self.csa_pool.dead, []
         return V4StepPayload(super().take_step(), dead)
