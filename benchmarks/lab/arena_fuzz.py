@@ -243,6 +243,89 @@ def _check_holdings(mgr, live: dict, last: dict, caching: bool = False) -> None:
     assert set(st.live) == live_vids, "a live block without its page (or the reverse)"
 
 
+class Requests:
+    """A fuzz run's requests as vLLM's scheduler keeps them: running ones holding pages (in
+    arrival order), waiting ones (new or preempted: no pages), the prompt tokens each running
+    one has yet to compute; each operation is counted in ``stats.ops`` (preemptions also in
+    ``stats.preempted``). Shared by this driver and `v4_fuzz`."""
+
+    def __init__(self, mgr, stats) -> None:
+        self.mgr, self.stats = mgr, stats
+        self.live: dict = {}
+        self.waiting: list = []
+        self.prefill_left: dict[str, int] = {}
+
+    def bump(self, op: str) -> None:
+        self.stats.ops[op] = self.stats.ops.get(op, 0) + 1
+
+    def end(self, req, op: str) -> None:
+        self.mgr.free(req)
+        self.live.pop(req.request_id, None)
+        self.prefill_left.pop(req.request_id, None)
+        self.bump(op)
+
+    def preempt(self, victim) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.end(victim, "preempt")
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        self.waiting.append(victim)
+        self.stats.preempted += 1
+
+    def scheduled(self, req, n: int, left: int) -> bool:
+        """``n`` more tokens of running ``req`` (``left``: its prompt tokens not computed yet,
+        0 when it decodes), preempting the newest running request while they do not fit (vLLM's
+        rule); False when ``req`` itself was preempted."""
+        while self.mgr.allocate_slots(req, n) is None:
+            self.preempt(list(self.live.values())[-1])
+            if req.request_id not in self.live:
+                return False
+        self.prefill_left[req.request_id] = left - n if left else 0
+        self.bump("prefill_chunk" if left else "decode")
+        return True
+
+    def admitted(self, req, hit: int, left: int) -> None:
+        """``req`` got its slots: running, ``hit`` prompt tokens from the prefix cache, ``left``
+        prompt tokens still to compute after this step (``stats.hit_tokens`` counts hits)."""
+        from vllm.v1.request import RequestStatus
+
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = hit
+        self.stats.hit_tokens += hit
+        self.waiting.remove(req)
+        self.live[req.request_id] = req
+        self.prefill_left[req.request_id] = left
+        self.bump("admit_hit" if hit else "admit")
+
+    def leave(self, rng: random.Random, finish: float, abort: float) -> None:
+        """Requests leave between steps: each running one finishes with probability
+        ``finish`` or is aborted with ``abort - finish``; now and then a waiting one aborts."""
+        for req in list(self.live.values()):
+            r = rng.random()
+            if r < finish:
+                self.end(req, "finish")
+            elif r < abort:
+                self.end(req, "abort")
+        if self.waiting and rng.random() < 0.03:
+            self.waiting.pop(rng.randrange(len(self.waiting)))
+            self.bump("abort_waiting")
+
+    def maybe_reset(self, rng: random.Random) -> bool | None:
+        """Now and then a prefix-cache reset, half the time after draining the running
+        requests (as vLLM's reset with running requests); vLLM resets only when no page is
+        held, else it refuses and changes nothing. None: no reset this step."""
+        if rng.random() >= 0.02:
+            return None
+        if rng.random() < 0.5:
+            for req in list(self.live.values()):
+                self.preempt(req)
+        ok = self.mgr.reset_prefix_cache()
+        assert ok == (not self.live), (ok, len(self.live))
+        self.bump("reset")
+        return ok
+
+
 def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
         fault_every: int = 0, caching: bool = False,
         zero_new_pages: bool = True, retention: int | None = None) -> ArenaFuzzStats:
@@ -252,7 +335,7 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
     prefix-cache retention interval (None: every page cached; 0, the engine's default for
     hybrids: only reachable boundaries, and the GDN state kept in its page past them)."""
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import Request
 
     from ulacache_vllm.engine.faults import MoveFaults
 
@@ -271,26 +354,10 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
                     for _ in range(3)]
     h = Harness(mgr)
     stats = ArenaFuzzStats()
-    live: dict[str, Request] = {}  # running: holding pages (in arrival order)
-    waiting: list[Request] = []  # new or preempted: no pages
-    prefill_left: dict[str, int] = {}  # prompt tokens (of running requests) not computed yet
+    reqs = Requests(mgr, stats)
+    live, waiting, prefill_left = reqs.live, reqs.waiting, reqs.prefill_left
+    end = reqs.end
     counter = 0
-
-    def bump(op: str) -> None:
-        stats.ops[op] = stats.ops.get(op, 0) + 1
-
-    def end(req, op: str) -> None:
-        mgr.free(req)
-        live.pop(req.request_id, None)
-        prefill_left.pop(req.request_id, None)
-        bump(op)
-
-    def preempt(victim) -> None:
-        end(victim, "preempt")
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        waiting.append(victim)
-        stats.preempted += 1
 
     def schedule() -> dict:
         """Running requests first (the next prefill chunk, or one decoded token), preempting
@@ -308,14 +375,8 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
             else:
                 req.append_output_token_ids(rng.randint(1, 999))
                 n = 1
-            while mgr.allocate_slots(req, n) is None:
-                preempt(list(live.values())[-1])
-                if req.request_id not in live:
-                    break
-            else:
+            if reqs.scheduled(req, n, left):
                 done[req] = n
-                prefill_left[req.request_id] = left - n if left else 0
-                bump("prefill_chunk" if left else "decode")
         for req in [r for r in done if r.request_id not in live]:
             del done[req]  # preempted after it was scheduled
         for req in list(waiting[:rng.randint(0, 2)]):
@@ -329,40 +390,18 @@ def run(seed: int, num_steps: int, total_pages: int = 96, force_moves: int = 3,
                                   new_computed_blocks=hit_blocks) is None:
                 stats.refused += 1
                 break  # first come, first served: the head waits
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = hit
-            stats.hit_tokens += hit
-            waiting.remove(req)
-            live[req.request_id] = req
-            prefill_left[req.request_id] = todo - n
+            reqs.admitted(req, hit, todo - n)
             done[req] = n
-            bump("admit_hit" if hit else "admit")
         return done
 
     for _ in range(num_steps):
         if fault_every and rng.random() < 1 / fault_every:
             h.worker.faults = MoveFaults("raise", moves=("arena",), count=1)
-        # Requests leave between steps: finish or abort while running, abort while waiting.
-        for req in list(live.values()):
-            r = rng.random()
-            if r < 0.03:
-                end(req, "finish")
-            elif r < 0.05:
-                end(req, "abort")
-        if waiting and rng.random() < 0.03:
-            waiting.pop(rng.randrange(len(waiting)))
-            bump("abort_waiting")
-        if caching and rng.random() < 0.02:
-            if rng.random() < 0.5:  # drain first (as vLLM's reset with running requests)
-                for req in list(live.values()):
-                    preempt(req)
-            # vLLM resets only when no page is held; else it refuses and changes nothing.
-            ok = mgr.reset_prefix_cache()
-            assert ok == (not live), (ok, len(live))
-            if ok:  # nothing cached, nothing live but the null page
-                assert mgr.arena.num_pages == 1 and not mgr._state.live, mgr.arena.num_pages
-            stats.resets += ok
-            bump("reset")
+        reqs.leave(rng, finish=0.03, abort=0.05)
+        ok = reqs.maybe_reset(rng) if caching else None
+        if ok:  # nothing cached, nothing live but the null page
+            assert mgr.arena.num_pages == 1 and not mgr._state.live, mgr.arena.num_pages
+        stats.resets += bool(ok)
         while len(waiting) < 3:
             counter += 1
             n = rng.randint(1, MAX_LEN // 2)

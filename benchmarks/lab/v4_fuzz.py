@@ -38,7 +38,7 @@ from types import SimpleNamespace
 
 import torch
 
-from lab.arena_fuzz import Harness, check_tiling
+from lab.arena_fuzz import Harness, Requests, check_tiling
 
 CSA_RATIO = 4
 CONFIG = dict(num_hidden_layers=4, compress_ratios=[0, 4, 128, 4], head_dim=512,
@@ -340,7 +340,7 @@ def run(seed: int, num_steps: int, *, caching: bool = False, arena_requests: flo
 def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, max_model_len,
          batch, ratios, fault_every) -> V4FuzzStats:
     from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.request import Request
 
     from ulacache_vllm.engine.dsa.sizing import GIB
     from ulacache_vllm.engine.faults import MoveFaults
@@ -354,7 +354,7 @@ def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, m
     device_rows = batch // CSA_RATIO + seqs + rng.randint(0, 64)
     probe, _, _ = manager(1 << 30, host_gib, device_rows, cfg=cfg, max_model_len=max_model_len,
                           batch=batch, seqs=seqs, caching=caching)
-    per_request = probe.layout.request_bytes() if hasattr(probe.layout, "request_bytes") else 0
+    per_request = probe.layout.request_bytes()
     arena = int(arena_requests * per_request) + probe.layout.null_page_bytes
     mgr, settings, hash_bs = manager(arena, host_gib, device_rows, cfg=cfg,
                                      max_model_len=max_model_len, batch=batch, seqs=seqs,
@@ -372,27 +372,11 @@ def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, m
                     for _ in range(3)]
     h = V4Harness(mgr, settings, random.Random(seed + 7))
     stats = V4FuzzStats()
-    live: dict[str, Request] = {}
-    waiting: list[Request] = []
-    prefill_left: dict[str, int] = {}
+    reqs = Requests(mgr, stats)
+    live, waiting, prefill_left = reqs.live, reqs.waiting, reqs.prefill_left
+    end = reqs.end
     counter = 0
     sent: list[list[int]] = []  # every prompt so far (some are sent again)
-
-    def bump(op: str) -> None:
-        stats.ops[op] = stats.ops.get(op, 0) + 1
-
-    def end(req, op: str) -> None:
-        mgr.free(req)
-        live.pop(req.request_id, None)
-        prefill_left.pop(req.request_id, None)
-        bump(op)
-
-    def preempt(victim) -> None:
-        end(victim, "preempt")
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        waiting.append(victim)
-        stats.preempted += 1
 
     def schedule() -> dict:
         """vLLM's order: running requests (the next prefill chunk or one decoded token),
@@ -415,15 +399,9 @@ def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, m
                 continue
             if not left:
                 req.append_output_token_ids(rng.randint(1, 999))
-            while mgr.allocate_slots(req, n) is None:
-                preempt(list(live.values())[-1])
-                if req.request_id not in live:
-                    break
-            else:
+            if reqs.scheduled(req, n, left):
                 done[req] = n
                 budget -= n
-                prefill_left[req.request_id] = left - n if left else 0
-                bump("prefill_chunk" if left else "decode")
         for req in [r for r in done if r.request_id not in live]:
             del done[req]
         for req in list(waiting[:rng.randint(0, 2)]):
@@ -438,37 +416,16 @@ def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, m
                                   new_computed_blocks=hit_blocks) is None:
                 stats.refused += 1
                 break
-            req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = hit
-            stats.hit_tokens += hit
-            waiting.remove(req)
-            live[req.request_id] = req
-            prefill_left[req.request_id] = todo - n
+            reqs.admitted(req, hit, todo - n)
             done[req] = n
             budget -= n
-            bump("admit_hit" if hit else "admit")
         return done
 
     for _ in range(num_steps):
         if fault_every and rng.random() < 1 / fault_every:
             h.worker.faults = MoveFaults("raise", moves=("arena",), count=1)
-        for req in list(live.values()):
-            r = rng.random()
-            if r < 0.02:
-                end(req, "finish")
-            elif r < 0.04:
-                end(req, "abort")
-        if waiting and rng.random() < 0.03:
-            waiting.pop(rng.randrange(len(waiting)))
-            bump("abort_waiting")
-        if caching and rng.random() < 0.02:
-            if rng.random() < 0.5:
-                for req in list(live.values()):
-                    preempt(req)
-            ok = mgr.reset_prefix_cache()
-            assert ok == (not live), (ok, len(live))
-            stats.resets += ok
-            bump("reset")
+        reqs.leave(rng, finish=0.02, abort=0.04)
+        stats.resets += bool(reqs.maybe_reset(rng) if caching else None)
         while len(waiting) < 3:
             counter += 1
             n = rng.randint(1, max_model_len - 64)
