@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import random
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -304,12 +305,11 @@ def _check_holdings(mgr, h: V4Harness, live: dict, caching: bool) -> None:
         assert len(arena_held) == len(set(arena_held)), "an arena page held twice"
         assert live_vids == set(arena_held), f"leaked pages {sorted(live_vids - set(arena_held))}"
         return
-    for held in (csa_held,):
-        for b, k in {b: held.count(b) for b in set(held)}.items():
-            assert pool.blocks[b].ref_cnt == k, ("CSA", b, pool.blocks[b].ref_cnt, k)
+    for b, k in Counter(csa_held).items():
+        assert pool.blocks[b].ref_cnt == k, ("CSA", b, pool.blocks[b].ref_cnt, k)
     assert free == pool.num_gpu_blocks - 1 - len(set(csa_held)), (free, len(set(csa_held)))
     st = mgr._state
-    holders = {v: arena_held.count(v) for v in set(arena_held)}
+    holders = Counter(arena_held)
     lru = {v for p in st.pools for v in p.lru}
     assert not lru & set(holders), "a held page in the free-but-cached LRU"
     for v, k in holders.items():
