@@ -102,7 +102,7 @@ def test_ulacache_rows_are_the_engines_plan_layout(dsa_plans, cluster, mode, mon
     cfg = vllm_config(p.model, p.cluster, L128K)
     cfg.additional_config = {}
     specs = dsa_specs(p.model, p.kv_dtype, p.block_size)
-    settings = UlaSettings(host_pool_gib=p.cluster.host_gib_per_gpu, tp_mode=mode)
+    settings = UlaSettings(host_pool_gib=row.host_pool_gib, tp_mode=mode)
     lay = sizing.plan_layout(cfg, specs, p.kv_budget, settings)
     assert row.tokens == lay.num_logical == row.layout.num_logical
     assert row.requests == lay.num_logical // L128K
@@ -230,7 +230,7 @@ def test_multiples_are_against_the_strongest_vllm_row(dsa_plans, cluster):
 
 def test_b300_gains_more_requests_than_h200(dsa_plans):
     """DeepSeek-V3.2 FP8, 128K requests: ulacache TP shard adds more requests over stock on
-    8xB300 (192 GiB host per GPU) than on 8xH200 (128 GiB). As a ratio it is the other way
+    8xB300 than on 8xH200 (both with 192 GiB of host per GPU). As a ratio it is the other way
     round: B300's larger HBM also lifts stock (26 vs 6 requests), so the claim holds for
     requests gained, not for the multiple."""
     h = dsa_plans["deepseek-v3.2", "8xH200"]
@@ -241,7 +241,7 @@ def test_b300_gains_more_requests_than_h200(dsa_plans):
 
 
 def test_capped_host_pool_is_the_largest_that_starts(dsa_plans):
-    """GLM-5 on 8xH200: a 128 GiB pool per rank's indexer keys leave the device no room for one
+    """GLM-5 on 8xH200: a 192 GiB pool per rank's indexer keys leave the device no room for one
     step, so the row uses the largest pool the engine starts with (MiB steps)."""
     p = dsa_plans["glm-5-dsa", "8xH200"]
     row = p.row("ulacache_shard")

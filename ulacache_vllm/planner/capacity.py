@@ -22,7 +22,7 @@ from typing import Any
 from .assumptions import assumptions
 from .budget import GIB, dp_plan, hisparse_shared_ranks, kv_budget, weights_per_gpu  # noqa: F401
 from .model import ModelShape, PlannerError, arena_specs, dsa_specs, hybrid_specs, kv_dtype_of
-from .presets import CLUSTER_PRESETS
+from .presets import CLUSTER_PRESETS, host_memory_note
 from .records import ULA_KEYS, VLLM_KEYS, Cluster, Plan, Row  # noqa: F401  (re-exported)
 from .standin import vllm_config  # noqa: F401  (re-exported: tests build it from here)
 
@@ -42,7 +42,7 @@ def make_cluster(preset: str | None = None, **given: Any) -> Cluster:
         base = dict(name=preset, gpus=p.gpus, gpus_per_node=p.gpus_per_node,
                     gpu_gib=p.gpu_gib, host_gib_per_gpu=p.host_gib_per_gpu, tp=p.tp,
                     max_num_batched_tokens=p.max_num_batched_tokens,
-                    max_num_seqs=p.max_num_seqs, notes=(p.note,))
+                    max_num_seqs=p.max_num_seqs)
         if "max_num_batched_tokens" in fields:
             base["batch_tokens_defaulted"] = False
         changed = [f"{k}={v:g}" for k, v in fields.items()
@@ -51,6 +51,8 @@ def make_cluster(preset: str | None = None, **given: Any) -> Cluster:
         if changed:
             base["name"] = f"{preset} ({', '.join(changed)})"
         base.update(fields)
+        host_source = p.host_note if base["host_gib_per_gpu"] == p.host_gib_per_gpu else ""
+        base["notes"] = (p.note, host_memory_note(base["host_gib_per_gpu"], host_source))
         fields = base
     else:
         missing = [f for f in ("gpus", "tp", "host_gib_per_gpu") if f not in fields]

@@ -71,7 +71,7 @@ def deploy(key: str, plan: Plan, caches: list[Cache], sched: Sched, host_gib: fl
                    line.fit(budget, host, pool_given, "reserve"),
                    exact_device_bytes(caches, L))
     d.sweep = [(g, line.fit(budget, int(g * GIB), False, "steady").requests)
-               for g in SWEEP_GIB]
+               for g in sorted({*SWEEP_GIB, host_gib})]
     return d
 
 
@@ -99,7 +99,8 @@ def ula_row(d: Deployment, key: str, label: str) -> Row:
             f"{d.ula_reserve.requests}")
     seqs = cl.max_num_seqs
     if n > seqs:
-        note += f"; more than max_num_seqs {seqs}: pass --max-num-seqs {n}"
+        note += (f"; more than max_num_seqs {seqs}: pass --max-num-seqs {n} (left at {seqs}: "
+                 f"{seqs * cl.dp:,} cluster-wide)")
     return Row(key, label, tokens=n * L, requests=n, cluster_requests=n * cl.dp,
                device_bytes=d.plan.kv_budget, host_bytes=f.host_bytes, note=note,
                layout=d.line, host_pool_gib=f.host_bytes / GIB, tp=cl.tp, dp=cl.dp)

@@ -70,8 +70,9 @@ def v4_assumptions(p: Plan, experts_over: str) -> list[str]:
             f"the size that holds the most requests, at most {det.host_gib:g} GiB per GPU "
             f"(every host row keeps its indexer key on the device)")
     out.append(
-        f"ulacache: the planned V4 line of issue 44, computed here (the engine has no V4 "
-        f"sizing yet): CSA rows in the logical address space, {csa.row_bytes} B a row per "
+        f"ulacache: the V4 line (engine/v4) as computed here (the CSA pools' device / host "
+        f"split is this planner's arithmetic, not the engine's --ula-v4-csa-device-rows "
+        f"default): CSA rows in the logical address space, {csa.row_bytes} B a row per "
         f"CSA layer without page padding ([rows, {csa.row_bytes}] pool views), device pool + "
         f"host pool with exclusive residency, the device pool at least one step's new rows + "
         f"index_topk ({line.need_blocks} blocks of {csa.block_size} tokens); host pool "
