@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .budget import GIB, hisparse_shared_ranks, kv_budget, weights_per_gpu
+from .budget import GIB, hisparse_shared_ranks
 from .model import attention_token_bytes, dsa_specs, gdn_state, state_bytes
 from .presets import WEIGHT_BYTES
 
@@ -114,7 +114,8 @@ def assumptions(p: Plan, experts_over: str) -> list[str]:
                  f"sizes, doubled until the arena has at most {arena_sizing.MAX_GRANULES} "
                  f"granules), a null page reserved; attention in "
                  f"{ARENA_BLOCK_SIZE}-token pages; {{}}; prefix caching off (modelled so; the "
-                 f"engine keeps it on where stock has it, not modelled here). The engine runs the arena on vLLM's CPU build (TP included: every rank "
+                 f"engine keeps it on where stock has it, not modelled here). The engine runs "
+                 f"the arena on vLLM's CPU build (TP included: every rank "
                  f"runs the same plan on its heads' share of each page); on GPUs this is its "
                  f"sizing per rank, not a configuration it starts yet")
         if m.kind == "gdn":

@@ -4,7 +4,8 @@ per request of each cache kind.
 
 Invariants: every figure is ``v4_sizing``'s arithmetic on the caches vLLM 0.32 declares for V4
 (``v4_layout``); the ulacache figures are the v4 line's design (CSA rows on the host tier,
-every other cache at its natural page size) computed here, not the engine's sizing; with ``check=True`` (the command line) ``v4_check`` first compares
+every other cache at its natural page size) computed here, not the engine's sizing; with
+``check=True`` (the command line) ``v4_check`` first compares
 the stock groups, block stride and startup figure with vLLM's own functions and the arena
 kinds with the engine's ``plan_arena``, and refuses to print figures that disagree. vLLM's
 HiSparse refuses V4 and ulacache's TP shard mode is not part of the V4 line: those rows carry
