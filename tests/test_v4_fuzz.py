@@ -49,3 +49,19 @@ def test_a_failed_arena_copy_ends_only_the_requests_holding_lost_pages():
     st = run(0, 150, force_moves=3, fault_every=6)
     assert st.lost_pages > 0 and st.ops.get("ended_by_fault", 0) > 0, st.ops
     assert st.ops["decode"] > 100 and st.ops.get("finish", 0) > 0, st.ops
+
+
+def test_failed_csa_row_moves_end_only_the_requests_holding_lost_rows():
+    """Now and then a copy fails: an arena page move, or a CSA row demotion, promotion or
+    staging copy. The rows it drops are reported as lost CSA blocks (beside lost pages, in
+    their own id space): the requests holding one end, the blocks leave the prefix cache,
+    every other request's rows and pages keep their bytes and it runs on; at the end nothing
+    is left in the pools."""
+    import logging
+
+    logging.getLogger("vllm.ulacache").setLevel(logging.CRITICAL)  # the injected faults' lines
+    st = run(2, 150, caching=True, force_moves=3, fault_every=4, csa_faults=True)
+    assert st.lost_csa_blocks > 0 and st.csa["failed_copies"] > 0, st.csa
+    assert st.lost_pages > 0 and st.ops.get("ended_by_fault", 0) > 0, st.ops
+    assert st.ops.get("admit_hit", 0) > 0 and st.csa["promotions"] > 0, (st.ops, st.csa)
+    assert st.ops["decode"] > 100, st.ops

@@ -100,3 +100,63 @@ def test_dead_blocks_free_their_rows_and_overflows_stay_on_the_host():
     store.free([3, 4])
     c = store.counters()
     assert c["device_used"] == c["host_used"] == 0, c
+
+
+def _faulted_store(fault_moves, count=1):
+    """One layer, 4 device rows, two blocks written (4 rows on the host), a fault armed."""
+    from ulacache_vllm.engine.faults import MoveFaults
+
+    gen = torch.Generator().manual_seed(2)
+    store = CsaRows(_plan(4, 64, layers=1), "pblru", promote_after=1)
+    content: dict = {}
+    for b in (1, 2):
+        _write(store, torch.arange(b * RPB, (b + 1) * RPB), content, gen)
+    store.faults = MoveFaults("raise", moves=fault_moves, count=count)
+    return store, next(iter(store.layers.values())), content, gen
+
+
+def _mapped(rows, logical) -> torch.Tensor:
+    dev, host = rows.mapping.locate(logical)
+    return (dev >= 0) | (host >= 0)
+
+
+def test_a_failed_demotion_loses_only_the_victims_rows_and_places_the_new_rows_again(caplog):
+    """A demotion that fails while a step's new rows need device rows: the victims' rows are
+    dropped and their logical blocks reported lost (once: `take_lost` empties it); the new
+    rows, which hold no data yet, get rows anyway; every other row keeps its bytes."""
+    store, rows, content, gen = _faulted_store(("demote",))
+    _write(store, torch.arange(3 * RPB, 4 * RPB), content, gen)  # 4 new rows: 4 victims
+    lost = store.take_lost()
+    assert lost and store.take_lost() == set() and store.counters()["failed_copies"] == 1
+    assert lost <= {1, 2} and "a CSA row copy failed" in caplog.text
+    dropped = torch.tensor([s for (_, s) in content if s // RPB in lost])
+    assert not bool(_mapped(rows, dropped).any())
+    assert bool((rows.physical(dropped) == -1).all())  # a read of them resolves to -1
+    for (name, s) in [k for k in content if k[1] // RPB in lost]:
+        del content[(name, s)]
+    assert bool(_mapped(rows, torch.arange(3 * RPB, 4 * RPB)).all())
+    _check(store, content)  # the new rows and every row not lost hold their bytes
+
+
+def test_a_failed_promotion_loses_the_rows_its_plan_moved():
+    """A promotion that fails in a settle drops the rows its plan moved (the promoted rows
+    and the victims demoted for them): their blocks are lost, every other row keeps its
+    bytes and the next step places its new rows."""
+    store, rows, content, gen = _faulted_store(("promote", "stage"))
+    on_host = torch.arange(RPB, 3 * RPB)[rows.mapping.locate(torch.arange(RPB, 3 * RPB))[1] >= 0]
+    store.begin(None)  # a round without writes: the newest rows may be victims again
+    rows.resolve(on_host[:2])
+    store.begin(None)  # the settle promotes the two rows: the copy fails
+    lost = store.take_lost()  # the promoted rows' blocks (and the plan's victims')
+    assert set((on_host[:2] // RPB).tolist()) <= lost <= {1, 2}, lost
+    assert not bool(_mapped(rows, on_host[:2]).any())
+    written = torch.arange(RPB, 3 * RPB)
+    kept = _mapped(rows, written)
+    assert int((~kept).sum()) == 4  # the two promoted rows and the plan's two victims
+    assert set((written[~kept] // RPB).tolist()) == lost
+    _check(store, {k: d for k, d in content.items() if k[1] in written[kept].tolist()})
+
+    new = torch.arange(4 * RPB, 5 * RPB)
+    store.begin(new)
+    assert store.take_lost() == set() and bool((rows.write_slots >= 0).all())
+    assert store.counters()["failed_copies"] == 1

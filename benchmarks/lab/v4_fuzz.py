@@ -25,6 +25,11 @@ settles that promote), mark the step processed. After every step:
 * every CSA row a request has computed is mapped (device or host, never both), and holds the
   value of its layer and tokens; a read through ``resolve`` returns it.
 
+With ``fault_every``, a copy fails now and then (an arena page move or a CSA row demotion,
+promotion or staging copy, `engine/faults.py`): the requests holding what it lost (pages, or
+CSA blocks whose rows it dropped, reported as the worker does) end with an error through the
+manager's `lost_block_owners`, and only those; everything above still holds for the others.
+
 At the end everything is released (and the cache reset): the arena holds only its null page,
 the CSA pool is all free, the CSA rows' tables are empty.
 `tests/test_v4_fuzz.py` runs a few hundred steps.
@@ -63,6 +68,7 @@ class V4FuzzStats:
     rows_written: int = 0
     rows_read: int = 0
     lost_pages: int = 0  # arena pages a failed copy lost (``fault_every``)
+    lost_csa_blocks: int = 0  # CSA logical blocks whose rows a failed copy lost
     csa: dict = field(default_factory=dict)  # the CSA rows' counters at the end
     arena: dict = field(default_factory=dict)  # the manager's figures at the end
 
@@ -154,8 +160,11 @@ class V4Harness(Harness):
 
     def __init__(self, mgr, settings, rng: random.Random) -> None:
         from ulacache_vllm.engine.v4.rows import CsaRows
+        from ulacache_vllm.engine.v4.worker import csa_lost_id
 
         super().__init__(mgr)
+        self.lost_id = csa_lost_id
+        self.lost_csa: set[int] = set()
         self.rng = rng
         self.csa_group = mgr.layout.csa.group
         self.csa = CsaRows(mgr.layout.csa, settings.lru, settings.promote_after)
@@ -207,6 +216,10 @@ class V4Harness(Harness):
                 else:
                     slots.append(-1)
         self.csa.begin(torch.tensor(slots, dtype=torch.int64) if slots else None)
+        # Rows a failed copy dropped: their requests end after the step (the caller), as the
+        # worker reports them (`V4Worker.take_lost`); the forward does not read them.
+        self.lost_csa = self.csa.take_lost()
+        self.lost |= {self.lost_id(b) for b in self.lost_csa}
         for li, rows in enumerate(self.csa.layers.values()):  # the compressor's writes
             if not slots:
                 break
@@ -245,9 +258,9 @@ class V4Harness(Harness):
         through ``resolve`` (kept for the next settle, which promotes), checked."""
         for req in scheduled:
             n_rows = req.num_computed_tokens // CSA_RATIO
-            if not n_rows:
-                continue
             blocks = self.csa_ids(req.request_id)
+            if not n_rows or self.lost_csa.intersection(blocks):
+                continue
             pick = sorted(self.rng.sample(range(n_rows), min(n_rows, self.rng.randint(1, 48))))
             logical = torch.tensor([self._slot(blocks, r) for r in pick])
             for li, rows in enumerate(self.csa.layers.values()):
@@ -320,25 +333,26 @@ def _check_holdings(mgr, h: V4Harness, live: dict, caching: bool) -> None:
 def run(seed: int, num_steps: int, *, caching: bool = False, arena_requests: float = 2.5,
         host_requests: float = 2.5, force_moves: int = 0, max_model_len: int = 2048,
         batch: int = 512, ratios: list[int] | None = None,
-        fault_every: int = 0) -> V4FuzzStats:
+        fault_every: int = 0, csa_faults: bool = False) -> V4FuzzStats:
     """``num_steps`` engine steps of random operations. The arena holds about
     ``arena_requests`` requests of max_model_len, the CSA host pool ``host_requests``, the
     CSA device pool one step's new rows and a little more (so rows live on the host);
     ``ratios``: the layer schedule (`CONFIG`'s by default); ``fault_every``: about one step in
     this many has a failing arena copy (0: none): the requests holding a lost page end, and only
-    those (a CSA block id is no arena page). Runs on one thread: page-sized
+    those (a CSA block id is no arena page); ``csa_faults``: the failing copy is a CSA row
+    move half the time (demotion, promotion or staging). Runs on one thread: page-sized
     tensor ops are far slower over OpenMP's threads, and slower still on a busy host."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _run(seed, num_steps, caching, arena_requests, host_requests, force_moves,
-                    max_model_len, batch, ratios, fault_every)
+                    max_model_len, batch, ratios, fault_every, csa_faults)
     finally:
         torch.set_num_threads(threads)
 
 
 def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, max_model_len,
-         batch, ratios, fault_every) -> V4FuzzStats:
+         batch, ratios, fault_every, csa_faults) -> V4FuzzStats:
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
@@ -423,7 +437,13 @@ def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, m
 
     for _ in range(num_steps):
         if fault_every and rng.random() < 1 / fault_every:
-            h.worker.faults = MoveFaults("raise", moves=("arena",), count=1)
+            if csa_faults and rng.random() < 0.5:
+                moves = rng.choice((("demote",), ("promote",), ("stage",),
+                                    ("demote", "promote", "stage")))
+                h.csa.faults = MoveFaults("raise", moves=moves, count=1,
+                                          skip=rng.randint(0, 2))
+            else:
+                h.worker.faults = MoveFaults("raise", moves=("arena",), count=1)
         reqs.leave(rng, finish=0.02, abort=0.04)
         stats.resets += bool(reqs.maybe_reset(rng) if caching else None)
         while len(waiting) < 3:
@@ -439,15 +459,22 @@ def _run(seed, num_steps, caching, arena_requests, host_requests, force_moves, m
             waiting.append(Request(f"r{counter}", tokens, SamplingParams(max_tokens=1 << 20),
                                    None, block_hasher=hasher))
         h.step(schedule)
-        if h.lost:  # the scheduler ends the requests holding lost pages with an error
-            stats.lost_pages += len(h.lost)
+        if h.lost:  # the scheduler ends the requests holding lost pages or rows (an error)
+            lost_csa = h.lost_csa
+            stats.lost_pages += len(h.lost) - len(lost_csa)
+            stats.lost_csa_blocks += len(lost_csa)
+
+            def holds(rid):
+                return (any(h.lost.intersection(ids) for ids in h.arena_ids(rid))
+                        or bool(lost_csa.intersection(h.csa_ids(rid))))
             for rid in sorted(mgr.lost_block_owners(h.lost, live.values())):
-                assert any(h.lost.intersection(ids) for ids in h.arena_ids(rid)), \
-                    f"{rid} ended by a lost page it does not hold"
+                assert holds(rid), f"{rid} ended by a lost page or row it does not hold"
                 end(live[rid], "ended_by_fault")
             for req in live.values():
-                assert not any(h.lost.intersection(ids) for ids in h.arena_ids(req.request_id)), \
-                    f"{req.request_id} holds a lost page and runs on"
+                assert not holds(req.request_id), f"{req.request_id} lost KV and runs on"
+            if caching:  # no lost CSA block is a prefix hit again
+                assert not any(mgr.csa_pool.blocks[b].block_hash for b in lost_csa), \
+                    "a lost CSA block stays in the prefix cache"
         stats.steps += 1
         _check_holdings(mgr, h, live, caching)
         h.check_rows(live)

@@ -1,19 +1,21 @@
 """Test-only fault injection in the worker's move path. Off by default; nothing here runs
 unless a test turns it on.
 
-Two movers ask their ``faults`` before each copy; ``None`` (the default) costs one attribute
+Three movers ask their ``faults`` before each copy; ``None`` (the default) costs one attribute
 test:
 
 * the DSA worker store's row copies between tiers (`moves.TierMoves.copy_fn`: demotions device
   -> host, promotions host -> device, and the staging copies of a promotion into a full host
   pool);
 * the hybrid arena's page moves (`ArenaWorker.apply`: each copy step of a compaction or
-  relayout, move ``"arena"``).
+  relayout, move ``"arena"``);
+* DeepSeek-V4's CSA row copies between tiers (`v4.rows.CsaLayerRows`: ``"demote"``,
+  ``"promote"``, ``"stage"``, as the DSA store's).
 
 A fault makes a copy raise `MoveFaultError` (what a failed transfer would do) or sleep first
 (a stalled one). What the mover does about a failed copy is the product's behaviour, not this
-module's: see `moves.TierMoves.apply` and `ArenaWorker.apply` (the requests whose KV was lost
-end with an error; nobody else notices).
+module's: see `moves.TierMoves.apply`, `ArenaWorker.apply` and `v4.rows` (the requests whose
+KV was lost end with an error; nobody else notices).
 
 Two ways to arm it:
 

@@ -8,7 +8,10 @@ places (`rows.py`). So admission and every step count both: the arena's bytes fo
 kinds, the CSA pool's free blocks (device and host tiers together: no request has a device
 quota) for the CSA rows; a CSA demand that does not fit defers the request (vLLM then waits
 or preempts, as for arena bytes). The CSA kind has no arena bytes. Dead CSA blocks travel to
-the worker in the step payload, which frees their rows before the step's forward.
+the worker in the step payload, which frees their rows before the step's forward. Blocks whose
+rows a failed copy lost come back from the worker among the step's lost ids (`worker.py`):
+the requests holding them end with an error and the blocks leave the prefix cache, as the
+arena's lost pages do.
 
 A prefill chunk's compressor-state pages that lie before the last window of the step are
 transient (`states.py`): vLLM's manager gets the null block for them, the arena places only
@@ -21,11 +24,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.logger import init_logger
+
 from ..arena.manager import ArenaKVCacheManager
 from ..arena.pools import TRANSIENT_VID, ArenaState, ArenaStepPlan
 from ..dsa.manager import DsaBlockPool
 from .states import (hit_tail_pages, install_window_frees, is_state_group, transient_pages,
                      transient_states, window_pages)
+
+logger = init_logger("vllm.ulacache.v4")
 
 
 @dataclass
@@ -157,6 +164,26 @@ class V4KVCacheManager(ArenaKVCacheManager):
         lost arena page with the same number is not one of them)."""
         ids = self.get_block_ids(request_id)
         return tuple(g for i, g in enumerate(ids) if i != self.layout.csa.group)
+
+    def lost_block_owners(self, block_ids, requests, vllm_default=None) -> set[str]:
+        """The arena's lost pages (ids >= 0) and the CSA pool's lost blocks (< 0: the worker's
+        ``csa_lost_id``): the requests holding any end with an error; lost CSA blocks leave
+        the prefix cache (a free cached one's rows die with it, a held one is freed uncached)."""
+        requests = list(requests)
+        vids = {b for b in block_ids if b >= 0}
+        csa = {-1 - b for b in block_ids if b < 0}
+        failed = super().lost_block_owners(vids, requests) if vids else set()
+        if csa:
+            self.csa_pool.evict_blocks(csa)
+            g = self.layout.csa.group
+            mine = {r.request_id for r in requests
+                    if csa.intersection(self.get_block_ids(r.request_id)[g])}
+            if mine:
+                logger.error("Failing %d request(s) due to KV load failure: a CSA row move lost "
+                             "rows of %d logical blocks. Request IDs: %s", len(mine), len(csa),
+                             sorted(mine))
+            failed |= mine
+        return failed
 
     def take_step(self) -> V4StepPayload:
         dead, self.csa_pool.dead = self.csa_pool.dead, []

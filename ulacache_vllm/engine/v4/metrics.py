@@ -17,6 +17,8 @@ METRICS = LineMetrics(
         "v4_csa_freed": _C + "rows freed with their dead logical blocks.",
         "v4_csa_settle_overflows": _C + "settles whose selected rows exceeded the device pool "
                                         "(read in place on the host instead).",
+        "v4_csa_failed_copies": _C + "row copies between the tiers that failed; the requests "
+                                     "holding the rows they lost ended with an error.",
         "v4_state_scratch_tokens": "DeepSeek-V4 compressor states: prefill tokens whose state "
                                    "stayed in the step's scratch (no arena page: out of the "
                                    "window after the step), summed over state kinds.",

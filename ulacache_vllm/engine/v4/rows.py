@@ -22,15 +22,30 @@ in place); the PB-LRU round advances; this step's new rows get device rows (vict
 and the write slots are fixed. Inside the forward: fixed-shape tensor work only (`resolve`:
 one gather through the committed table; the selection is kept for the next settle).
 Every move copies the rows, then commits the mapping (`TieredMapping.apply`).
+
+A failed copy (an exception from a copy; `engine/faults.py` injects them in tests, moves
+``demote``, ``promote``, ``stage``) never kills the engine and is never read: the mapping drops
+the plan's entries (unmapped: a read of them resolves to -1, which the kernels skip), their
+logical blocks go to ``lost_blocks``, which the worker reports as KV load errors (the v4
+line's scheduler side ends the requests holding them with an error and drops the blocks from
+the prefix cache). This step's new rows hold no data yet: they are placed again, and lost
+only if that fails too.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import logging
+
 import torch
 
 from ulacache_vllm.core.mapping import DEVICE, HOST, STAGING, TieredMapping
 from ulacache_vllm.core.pools import CapacityError
+
+from ..faults import MoveFaults
+
+# (vLLM's init_logger is this; plain logging keeps the module importable without vLLM.)
+logger = logging.getLogger("vllm.ulacache.v4_rows")
 
 
 @dataclass(frozen=True)
@@ -57,9 +72,11 @@ class CsaRowsPlan:
 class CsaLayerRows:
     """One CSA layer's pool and mapping table (module doc)."""
 
-    def __init__(self, plan: CsaRowsPlan, name: str, lru: str, promote_after: int) -> None:
+    def __init__(self, plan: CsaRowsPlan, name: str, lru: str, promote_after: int,
+                 owner: CsaRows | None = None) -> None:
         self.name = name
         self.plan = plan
+        self.owner = owner  # where failed copies are recorded (None: a lone layer, tests)
         D, H = plan.device_rows, plan.host_rows
         self.pool = torch.zeros(D + H, 1, plan.row_bytes, dtype=torch.uint8)
         self.rows2d = self.pool.view(D + H, plan.row_bytes)
@@ -85,6 +102,10 @@ class CsaLayerRows:
     def _copy(self, src_tier: int, src: torch.Tensor, dst_tier: int, dst: torch.Tensor,
               stage: dict) -> None:
         D = self.plan.device_rows
+        faults = self.owner.faults if self.owner is not None else None
+        if faults is not None:  # test-only (`engine/faults.py`)
+            faults.before_copy("stage" if STAGING in (src_tier, dst_tier) else
+                               "demote" if src_tier == DEVICE else "promote", int(src.numel()))
 
         def rows(tier, idx):
             return idx + D if tier == HOST else idx
@@ -96,11 +117,30 @@ class CsaLayerRows:
                 else self.rows2d.index_select(0, rows(src_tier, src)))
         self.rows2d.index_copy_(0, rows(dst_tier, dst), data)
 
-    def _apply(self, plan) -> int:
+    def _apply(self, plan, fresh: torch.Tensor | None = None) -> bool:
+        """Copies the plan's rows, then commits it; False if a copy failed (module doc): the
+        dropped entries but ``fresh`` (this step's new rows, no data yet) are lost."""
+        if plan.empty:
+            return True
         stage: dict = {}
-        plan.apply(lambda s, si, d, di: self._copy(s, si, d, di, stage))
-        return 0 if plan.empty else int(plan.demote_src_device.numel()
-                                        + plan.promote_src_host.numel())
+        try:
+            plan.apply(lambda s, si, d, di: self._copy(s, si, d, di, stage))
+        except Exception as err:  # noqa: BLE001 - any copy failure: see the module doc
+            lost = plan.entries
+            if fresh is not None:
+                lost = lost[~torch.isin(lost, fresh)]
+            self._lost(lost, err)
+            return False
+        return True
+
+    def _lost(self, rows: torch.Tensor, err: Exception) -> None:
+        blocks = torch.unique(rows // self.plan.rows_per_block).tolist()
+        if self.owner is not None:
+            self.owner.failed_copies += 1
+            self.owner.lost_blocks.update(blocks)
+        logger.error("ulacache v4: a CSA row copy failed in %s (%s: %s); %d rows of %d logical "
+                     "blocks dropped, their requests end with an error", self.name,
+                     type(err).__name__, err, int(rows.numel()), len(blocks))
 
     def free_blocks(self, blocks: torch.Tensor) -> None:
         if blocks.numel():
@@ -131,8 +171,13 @@ class CsaLayerRows:
             dev, host = self.mapping.locate(valid)
             new = valid[(dev < 0) & (host < 0)]
             if new.numel():
-                _, plan = self.mapping.assign(new.unique())
-                self._apply(plan)
+                fresh = new.unique()
+                _, plan = self.mapping.assign(fresh)
+                if not self._apply(plan, fresh):
+                    # The victims' rows are lost; the new rows hold no data yet: placed again
+                    # (lost too if that fails: they would never be written).
+                    _, plan = self.mapping.assign(fresh)
+                    self._apply(plan)
         self.write_slots = self.physical(logical_slots)
 
     def counters(self) -> dict:
@@ -146,11 +191,16 @@ class CsaLayerRows:
 class CsaRows:
     """Every CSA layer's rows (one `CsaLayerRows` per layer) and the step's contract."""
 
-    def __init__(self, plan: CsaRowsPlan, lru: str, promote_after: int) -> None:
+    def __init__(self, plan: CsaRowsPlan, lru: str, promote_after: int,
+                 faults: MoveFaults | None = None) -> None:
         self.plan = plan
-        self.layers = {n: CsaLayerRows(plan, n, lru, promote_after) for n in plan.layer_names}
+        self.faults = faults  # test-only (`engine/faults.py`); None: no fault can fire
+        self.layers = {n: CsaLayerRows(plan, n, lru, promote_after, self)
+                       for n in plan.layer_names}
         self.settle_overflows = 0
         self.steps = 0
+        self.failed_copies = 0
+        self.lost_blocks: set[int] = set()  # logical blocks a failed copy lost, not reported
 
     def free(self, dead_blocks) -> None:
         """The dead logical blocks' rows leave every layer's tables (first thing of a step,
@@ -174,8 +224,14 @@ class CsaRows:
             if slot_mapping is not None:
                 rows.assign_writes(slot_mapping, valid)
 
+    def take_lost(self) -> set[int]:
+        """Logical blocks of the CSA pool whose rows a failed copy lost since the last call."""
+        out, self.lost_blocks = self.lost_blocks, set()
+        return out
+
     def counters(self) -> dict:
-        out: dict = {"settle_overflows": self.settle_overflows}
+        out: dict = {"settle_overflows": self.settle_overflows,
+                     "failed_copies": self.failed_copies}
         for rows in self.layers.values():
             for k, v in rows.counters().items():
                 out[k] = out.get(k, 0) + v

@@ -10,6 +10,10 @@ tables, not by granules) and the dead CSA blocks' rows are freed; before the for
 writes, read from the step's CSA metadata (the slot mapping vLLM computed from the logical
 block table), and, for each compressor-state kind with transient pages this step, the
 scratch plan every compressor of the kind follows.
+
+Lost blocks (`take_lost`): the arena's lost pages (vids, >= 0) and the CSA pool's logical
+blocks whose rows a failed copy lost, as ``csa_lost_id(block)`` (< 0: the two id spaces
+overlap); `V4KVCacheManager.lost_block_owners` tells them apart.
 """
 from __future__ import annotations
 
@@ -21,6 +25,11 @@ from .states import is_state_group, scratch_plan, step_positions
 SWA_SUFFIX = ".swa_cache"  # vLLM's V4 names every layer's sliding-window cache so
 
 
+def csa_lost_id(block: int) -> int:
+    """How a lost CSA logical block travels among the step's lost block ids (module doc)."""
+    return -1 - block
+
+
 class V4Worker(ArenaWorker):
     def __init__(self, layout, kv_caches: dict, vllm_config, settings, faults=None) -> None:
         from ulacache_vllm.patches.v4_csa_rows import bind
@@ -28,7 +37,7 @@ class V4Worker(ArenaWorker):
         csa = layout.csa
         arena_caches = {n: t for n, t in kv_caches.items() if n not in csa.layer_names}
         super().__init__(layout, arena_caches, faults)
-        self.csa = CsaRows(csa, settings.lru, settings.promote_after)
+        self.csa = CsaRows(csa, settings.lru, settings.promote_after, faults)
         self._ctx = vllm_config.compilation_config.static_forward_context
         self._bind = bind
         self._bound = False  # at the first step: vLLM's init checks the views it made
@@ -117,11 +126,15 @@ class V4Worker(ArenaWorker):
                 for n in names:
                     self._plans[n] = plan
 
+    def take_lost(self) -> set[int]:
+        return super().take_lost() | {csa_lost_id(b) for b in self.csa.take_lost()}
+
     def stats(self, rank: int):
         base = super().stats(rank)
         c = self.csa.counters()
         counters = {f"v4_csa_{k}": c[k] for k in ("demotions", "promotions", "assigned",
-                                                   "freed", "settle_overflows")}
+                                                   "freed", "settle_overflows",
+                                                   "failed_copies")}
         counters["v4_state_scratch_tokens"] = self.state_scratch_tokens
         delta = {k: v - self._csa_sent.get(k, 0) for k, v in counters.items()
                  if v != self._csa_sent.get(k, 0)}
