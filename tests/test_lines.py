@@ -234,3 +234,22 @@ def test_the_glue_names_no_product_line(path):
                    if words(i) & set(PRODUCT_WORDS)
                    or (i.startswith("is_") and i.endswith("_model")))
     assert not named, f"{path.relative_to(ROOT)} names a product line: {named}"
+
+
+def test_lost_blocks_are_looked_up_among_every_request_holding_blocks():
+    """A failed copy's lost blocks end the requests holding them: the running ones and the
+    waiting ones vLLM lets keep their blocks (remote loads, streaming sessions between
+    inputs), which vLLM's own mapping skips for the latter; `finish_requests` ends either."""
+    from ulacache_vllm.engine.scheduler import _UlaSchedulerMixin
+
+    seen = {}
+
+    def owners(ids, holders, default):
+        seen.update(ids=ids, holders=list(holders))
+        return {"held-while-waiting"}
+
+    sched = SimpleNamespace(running=["r1", "r2"], kv_holding_waiting=["w1"],
+                            kv_cache_manager=SimpleNamespace(lost_block_owners=owners))
+    got = _UlaSchedulerMixin._handle_invalid_blocks(sched, {-3, 7}, {})
+    assert got == {"held-while-waiting"}
+    assert seen == {"ids": {-3, 7}, "holders": ["r1", "r2", "w1"]}

@@ -240,22 +240,25 @@ def test_b300_gains_more_requests_than_h200(dsa_plans):
     assert h_ratio > b_ratio > 1
 
 
-def test_capped_host_pool_is_the_largest_that_starts(dsa_plans):
-    """GLM-5 on 8xH200: a 192 GiB pool per rank's indexer keys leave the device no room for one
-    step, so the row uses the largest pool the engine starts with (MiB steps)."""
-    p = dsa_plans["glm-5-dsa", "8xH200"]
-    row = p.row("ulacache_shard")
+@pytest.mark.parametrize("model,mode", [("glm-5-dsa", "shard"), ("deepseek-v3.2", "shard"),
+                                        ("deepseek-v3.2", "replicate")])
+def test_capped_host_pool_is_the_largest_that_starts(dsa_plans, model, mode):
+    """8xH200: a 192 GiB pool per rank's indexer keys leave the device no room for one step,
+    so the row uses the largest pool the engine starts with (MiB steps)."""
+    p = dsa_plans[model, "8xH200"]
+    row = p.row("ulacache_shard" if mode == "shard" else "ulacache_replicate")
     assert "capped at" in row.note
     gib = row.host_pool_gib
     assert gib < p.cluster.host_gib_per_gpu
     cfg = vllm_config(p.model, p.cluster, L128K)
     cfg.additional_config = {}
     specs = dsa_specs(p.model, p.kv_dtype, p.block_size)
-    lay = sizing.plan_layout(cfg, specs, p.kv_budget, UlaSettings(host_pool_gib=gib))
+    lay = sizing.plan_layout(cfg, specs, p.kv_budget, UlaSettings(host_pool_gib=gib,
+                                                                  tp_mode=mode))
     assert lay.num_logical == row.tokens
     with pytest.raises(KVBackendError, match="device pool too small"):
         sizing.plan_layout(cfg, specs, p.kv_budget,
-                           UlaSettings(host_pool_gib=gib + 1 / 1024))
+                           UlaSettings(host_pool_gib=gib + 1 / 1024, tp_mode=mode))
 
 
 @pytest.mark.parametrize("name", ["qwen3-next-80b", "gpt-oss-120b"])

@@ -14,6 +14,18 @@ from lab.v4_fuzz import run
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.fixture
+def quiet_faults():
+    """The injected faults' error lines off for one test (the level restored after)."""
+    import logging
+
+    log = logging.getLogger("vllm.ulacache")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    yield
+    log.setLevel(level)
+
+
 def test_pressure_preemption_and_moves_keep_every_page_and_row():
     st = run(2, 150, force_moves=3)
     # The arena and the CSA pool really filled up (admissions deferred, requests preempted),
@@ -38,28 +50,22 @@ def test_prefix_caching_hits_evictions_and_resets_keep_every_page_and_row():
     assert st.csa["demotions"] > 0 and st.csa["promotions"] > 0, st.csa
 
 
-def test_a_failed_arena_copy_ends_only_the_requests_holding_lost_pages():
+def test_a_failed_arena_copy_ends_only_the_requests_holding_lost_pages(quiet_faults):
     """A failing page move loses arena pages: the requests holding one end (their CSA blocks and
     rows freed with them), every other request runs on. A CSA block id is a logical block of
     the CSA pool, not an arena page: a lost page with the same number ends no one (it did,
     before `V4KVCacheManager.page_ids`)."""
-    import logging
-
-    logging.getLogger("vllm.ulacache").setLevel(logging.CRITICAL)  # the injected faults' lines
     st = run(0, 150, force_moves=3, fault_every=6)
     assert st.lost_pages > 0 and st.ops.get("ended_by_fault", 0) > 0, st.ops
     assert st.ops["decode"] > 100 and st.ops.get("finish", 0) > 0, st.ops
 
 
-def test_failed_csa_row_moves_end_only_the_requests_holding_lost_rows():
+def test_failed_csa_row_moves_end_only_the_requests_holding_lost_rows(quiet_faults):
     """Now and then a copy fails: an arena page move, or a CSA row demotion, promotion or
     staging copy. The rows it drops are reported as lost CSA blocks (beside lost pages, in
     their own id space): the requests holding one end, the blocks leave the prefix cache,
     every other request's rows and pages keep their bytes and it runs on; at the end nothing
     is left in the pools."""
-    import logging
-
-    logging.getLogger("vllm.ulacache").setLevel(logging.CRITICAL)  # the injected faults' lines
     st = run(2, 150, caching=True, force_moves=3, fault_every=4, csa_faults=True)
     assert st.lost_csa_blocks > 0 and st.csa["failed_copies"] > 0, st.csa
     assert st.lost_pages > 0 and st.ops.get("ended_by_fault", 0) > 0, st.ops

@@ -200,8 +200,8 @@ ENV_KNOBS = {
 }
 DEBUG_ENV_KNOBS = {
     "ULACACHE_TEST_MOVE_FAULTS": "testing only: a JSON file that makes the worker's copies "
-    "raise or stall: tier row copies (DSA) and arena page moves (hybrid models) "
-    "(`ulacache_vllm/engine/faults.py`). A failed copy ends the requests whose KV it "
+    "raise or stall: tier row copies (DSA), arena page moves (hybrid models and DeepSeek-V4) "
+    "and DeepSeek-V4's CSA row copies (`ulacache_vllm/engine/faults.py`). A failed copy ends the requests whose KV it "
     "lost with an error; the others are unaffected.",
 }
 

@@ -86,10 +86,11 @@ class LineManager:
         instead of preempting."""
         return False
 
-    def lost_block_owners(self, block_ids: set[int], running: list,
+    def lost_block_owners(self, block_ids: set[int], holders: list,
                           vllm_default: Callable[[], set[str]]) -> set[str]:
-        """Ids of the requests to end for blocks a failed copy lost (vLLM's own mapping by
-        default: one KV cache group)."""
+        """Ids of the requests to end for blocks a failed copy lost, among ``holders`` (every
+        request holding blocks: running ones, and waiting ones vLLM lets keep theirs); vLLM's
+        own mapping by default (one KV cache group)."""
         return vllm_default()
 
     def step_processed(self, payload: Any) -> None:

@@ -66,6 +66,7 @@ def make_cluster(preset: str | None = None, **given: Any) -> Cluster:
         if "max_num_batched_tokens" in fields:
             fields.setdefault("batch_tokens_defaulted", False)
         fields.setdefault("name", f"{fields['gpus']} GPUs")
+        fields.setdefault("notes", (host_memory_note(fields["host_gib_per_gpu"], ""),))
     gpus = fields["gpus"]
     tp = fields.setdefault("tp", gpus)
     if tp < 1 or gpus < 1 or gpus % tp:

@@ -124,21 +124,23 @@ class ClusterPreset:
 def host_memory_note(host_gib_per_gpu: float, source: str) -> str:
     """The printed assumption for a cluster's host pools: the figure used, and its source."""
     return (f"{host_gib_per_gpu:g} GiB host memory per GPU given to KV pools"
-            + (f" ({source})" if source else " (given on the command line)"))
+            + (f" ({source})" if source else " (given, not a preset's)"))
 
 
 CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # Host memory: an 8xH200 node has 2 TB (MLPerf Inference v4.1's H200-SXM-141GBx8 system:
-    # 32 x 64 GB; AWS p5e / p5en.48xlarge: 2,048 GiB), 256 GiB per GPU; the KV pools get three
-    # quarters of it, the 8xB300 preset's 192 GiB, the rest left to the OS and the engine
-    # processes. (Until 2026-12-07 this preset gave 128 GiB, a figure with no source.)
+    # 32 x 64 GB; AWS p5e / p5en.48xlarge: 2,048 GiB), 256 GiB per GPU. The KV pools get three
+    # quarters of it (an assumption of this planner, not a measured figure: the rest for the
+    # OS, the engine processes and pinned staging). Until 2026-12-07 this preset gave 128 GiB,
+    # a figure with no source. ulacache's V4 multiple is the host pool's: 3x stock at 64K needs
+    # at least 164 GiB per GPU (`benchmarks/results/planner_v4.md`).
     "8xH200": ClusterPreset(
         8, 8, 140.0, 192.0, 8, 8192,
         note=("H200: 140 GiB per GPU (the driver reports 143771 MiB for the 141 GB part); "
               "vLLM's serve defaults for 70-160 GiB GPUs (max_num_batched_tokens 8192, "
               "max_num_seqs 1024)"),
-        host_note=("three quarters of a 2 TB 8xH200 node's 256 GiB per GPU, as MLPerf's "
-                   "H200-SXM-141GBx8 system and AWS p5e.48xlarge have it; the rest for the OS "
+        host_note=("assumed: three quarters of the 256 GiB per GPU of a 2 TB 8xH200 node "
+                   "(MLPerf's H200-SXM-141GBx8 system, AWS p5e.48xlarge), the rest for the OS "
                    "and the engine processes")),
     "8xB300": ClusterPreset(
         8, 8, 268.0, 192.0, 8, 16384,

@@ -70,9 +70,10 @@ def v4_assumptions(p: Plan, experts_over: str) -> list[str]:
             f"the size that holds the most requests, at most {det.host_gib:g} GiB per GPU "
             f"(every host row keeps its indexer key on the device)")
     out.append(
-        f"ulacache: the V4 line (engine/v4) as computed here (the CSA pools' device / host "
-        f"split is this planner's arithmetic, not the engine's --ula-v4-csa-device-rows "
-        f"default): CSA rows in the logical address space, {csa.row_bytes} B a row per "
+        f"ulacache: the V4 line (engine/v4, which runs on vLLM's CPU build, one rank: on GPUs "
+        f"this is its sizing per rank, not a configuration it starts yet) as computed here "
+        f"(the CSA pools' device / host split is this planner's arithmetic, not the engine's "
+        f"--ula-v4-csa-device-rows default): CSA rows in the logical address space, {csa.row_bytes} B a row per "
         f"CSA layer without page padding ([rows, {csa.row_bytes}] pool views), device pool + "
         f"host pool with exclusive residency, the device pool at least one step's new rows + "
         f"index_topk ({line.need_blocks} blocks of {csa.block_size} tokens); host pool "

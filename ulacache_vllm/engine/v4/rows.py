@@ -126,6 +126,11 @@ class CsaLayerRows:
         try:
             plan.apply(lambda s, si, d, di: self._copy(s, si, d, di, stage))
         except Exception as err:  # noqa: BLE001 - any copy failure: see the module doc
+            st = self.mapping.stats  # (counted when planned: these moves did not happen)
+            st.demotions -= int(plan.demote_src_device.numel())
+            st.promotions -= int(plan.promote_src_host.numel())
+            if fresh is not None:
+                st.assigned -= int(fresh.numel())  # (placed again by the caller)
             lost = plan.entries
             if fresh is not None:
                 lost = lost[~torch.isin(lost, fresh)]
