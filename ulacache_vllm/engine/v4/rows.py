@@ -33,9 +33,8 @@ only if that fails too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import logging
+from dataclasses import dataclass
 
 import torch
 
