@@ -4,7 +4,8 @@ reference model after each one. ``--arena``: the hybrid arena's manager and work
 (lab/arena_fuzz.py: admit, chunked prefill, decode, finish, preempt, abort, forced and needed
 moves, failing copies), checked after every engine step. ``--v4``: the DeepSeek-V4 line's
 manager (the arena and the CSA rows' logical block pool) with the arena's worker and the CSA
-rows' store (lab/v4_fuzz.py), on drawn layer schedules, budgets and step sizes. Prints
+rows' store (lab/v4_fuzz.py), on drawn layer schedules, budgets and step sizes, failing
+copies (arena pages and CSA rows) in a third of the runs. Prints
 operations per second and the counts; exits non-zero on the first violated invariant.
 
     python benchmarks/fuzz_manager.py --ops 100000 --seeds 3
@@ -94,13 +95,16 @@ def _v4(args) -> int:
                       host_requests=rng.choice((1.2, 2.5, 4)), force_moves=rng.choice((0, 0, 3)),
                       max_model_len=rng.choice((1024, 2048)), batch=rng.choice((256, 512, 1024)),
                       fault_every=rng.choice((0, 0, 8)))
-            st = run_v4(seed * 1000 + part, 300, caching=args.caching, **kw)
+            st = run_v4(seed * 1000 + part, 300, caching=args.caching,
+                        csa_faults=bool(kw["fault_every"]), **kw)
             steps, ops, part = steps + st.steps, ops + sum(st.ops.values()), part + 1
             print(f"  {kw}: ops {st.ops}, refused {st.refused}, preempted {st.preempted}, "
                   f"hit tokens {st.hit_tokens}, CSA demotions {st.csa['demotions']} promotions "
                   f"{st.csa['promotions']}, compactions {st.arena['arena_compactions']}, "
                   f"relayouts {st.arena['arena_relayouts']}, transient state pages "
-                  f"{st.arena['transient_state_pages']}, lost pages {st.lost_pages}", flush=True)
+                  f"{st.arena['transient_state_pages']}, lost pages {st.lost_pages}, lost CSA "
+                  f"blocks {st.lost_csa_blocks} (failed row copies {st.csa['failed_copies']})",
+                  flush=True)
         dt = time.perf_counter() - t0
         print(f"seed {seed} v4{' with prefix caching' if args.caching else ''}: {ops} ops over "
               f"{steps} steps in {dt:.1f} s ({ops / dt:.0f}/s): all invariants held", flush=True)
