@@ -238,8 +238,8 @@ def test_the_glue_names_no_product_line(path):
 
 def test_lost_blocks_are_looked_up_among_every_request_holding_blocks():
     """A failed copy's lost blocks end the requests holding them: the running ones and the
-    waiting ones vLLM lets keep their blocks (remote loads, streaming sessions between
-    inputs), which vLLM's own mapping skips for the latter; `finish_requests` ends either."""
+    waiting ones vLLM lets keep their blocks (streaming sessions between inputs, which vLLM's
+    own mapping skips); `finish_requests` ends either."""
     from ulacache_vllm.engine.scheduler import _UlaSchedulerMixin
 
     seen = {}
@@ -253,3 +253,27 @@ def test_lost_blocks_are_looked_up_among_every_request_holding_blocks():
     got = _UlaSchedulerMixin._handle_invalid_blocks(sched, {-3, 7}, {})
     assert got == {"held-while-waiting"}
     assert seen == {"ids": {-3, 7}, "holders": ["r1", "r2", "w1"]}
+
+
+def test_the_dsa_line_also_ends_a_waiting_request_holding_a_lost_block():
+    """The DSA line maps running requests through vLLM's own mapping; a waiting request that
+    keeps its blocks (vLLM's mapping skips it) and holds a lost block ends too, and the block
+    leaves the prefix cache; a waiting request holding none, and free uncached blocks, stay."""
+    from vllm.v1.request import RequestStatus
+
+    from ulacache_vllm.engine.dsa.manager import UlaKVCacheManager
+
+    evicted = []
+    blocks = {b: SimpleNamespace(ref_cnt=1, block_hash="h") for b in range(8)}
+    blocks[6] = SimpleNamespace(ref_cnt=0, block_hash="h")  # free, cached
+    blocks[7] = SimpleNamespace(ref_cnt=0, block_hash=None)  # free
+    held = {"run": [1, 2], "wait": [3, 4], "wait-ok": [5]}
+    mgr = SimpleNamespace(block_pool=SimpleNamespace(blocks=blocks),
+                          evict_blocks=lambda ids: evicted.append(set(ids)),
+                          get_block_ids=lambda rid: (held[rid],))
+    holders = [SimpleNamespace(request_id="run", status=RequestStatus.RUNNING),
+               SimpleNamespace(request_id="wait", status=RequestStatus.WAITING),
+               SimpleNamespace(request_id="wait-ok", status=RequestStatus.WAITING)]
+    got = UlaKVCacheManager.lost_block_owners(mgr, {2, 4, 6, 7}, holders, lambda: {"run"})
+    assert got == {"run", "wait"}
+    assert evicted == [{6}, {4}]

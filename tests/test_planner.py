@@ -240,8 +240,8 @@ def test_b300_gains_more_requests_than_h200(dsa_plans):
     assert h_ratio > b_ratio > 1
 
 
-@pytest.mark.parametrize("model,mode", [("glm-5-dsa", "shard"), ("deepseek-v3.2", "shard"),
-                                        ("deepseek-v3.2", "replicate")])
+@pytest.mark.parametrize("model,mode", [("glm-5-dsa", "shard"), ("glm-5-dsa", "replicate"),
+                                        ("deepseek-v3.2", "shard"), ("deepseek-v3.2", "replicate")])
 def test_capped_host_pool_is_the_largest_that_starts(dsa_plans, model, mode):
     """8xH200: a 192 GiB pool per rank's indexer keys leave the device no room for one step,
     so the row uses the largest pool the engine starts with (MiB steps)."""

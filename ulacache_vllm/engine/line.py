@@ -89,8 +89,9 @@ class LineManager:
     def lost_block_owners(self, block_ids: set[int], holders: list,
                           vllm_default: Callable[[], set[str]]) -> set[str]:
         """Ids of the requests to end for blocks a failed copy lost, among ``holders`` (every
-        request holding blocks: running ones, and waiting ones vLLM lets keep theirs); vLLM's
-        own mapping by default (one KV cache group)."""
+        request holding blocks: running ones, and waiting ones vLLM lets keep theirs, such as
+        streaming sessions between inputs); vLLM's own mapping by default (one KV cache group:
+        running requests and remote loads only)."""
         return vllm_default()
 
     def step_processed(self, payload: Any) -> None:

@@ -40,8 +40,8 @@ class _UlaSchedulerMixin:
 
     def _handle_invalid_blocks(self, invalid_block_ids, num_scheduled_tokens):
         # Every request that holds blocks: running ones and the waiting ones vLLM lets keep
-        # theirs (remote loads, streaming sessions between inputs); `finish_requests` ends
-        # either kind with the error.
+        # theirs (streaming sessions between inputs; ulacache refuses remote-load connectors);
+        # `finish_requests` ends either kind with the error.
         return self.kv_cache_manager.lost_block_owners(
             invalid_block_ids, [*self.running, *self.kv_holding_waiting],
             lambda: super(_UlaSchedulerMixin, self)._handle_invalid_blocks(

@@ -128,8 +128,9 @@ def host_memory_note(host_gib_per_gpu: float, source: str) -> str:
 
 
 CLUSTER_PRESETS: dict[str, ClusterPreset] = {
-    # Host memory: an 8xH200 node has 2 TB (MLPerf Inference v4.1's H200-SXM-141GBx8 system:
-    # 32 x 64 GB; AWS p5e / p5en.48xlarge: 2,048 GiB), 256 GiB per GPU. The KV pools get three
+    # Host memory: the cited 8xH200 nodes have 2 TiB (MLPerf Inference v4.1's H200-SXM-141GBx8
+    # system: 32 x 64 GB; AWS p5e / p5en.48xlarge: 2,048 GiB), 256 GiB per GPU; vendors differ.
+    # The KV pools get three
     # quarters of it (an assumption of this planner, not a measured figure: the rest for the
     # OS, the engine processes and pinned staging). Until 2026-12-07 this preset gave 128 GiB,
     # a figure with no source. ulacache's V4 multiple is the host pool's: 3x stock at 64K needs
@@ -139,9 +140,9 @@ CLUSTER_PRESETS: dict[str, ClusterPreset] = {
         note=("H200: 140 GiB per GPU (the driver reports 143771 MiB for the 141 GB part); "
               "vLLM's serve defaults for 70-160 GiB GPUs (max_num_batched_tokens 8192, "
               "max_num_seqs 1024)"),
-        host_note=("assumed: three quarters of the 256 GiB per GPU of a 2 TB 8xH200 node "
-                   "(MLPerf's H200-SXM-141GBx8 system, AWS p5e.48xlarge), the rest for the OS "
-                   "and the engine processes")),
+        host_note=("assumed: three quarters of the 256 GiB per GPU of a 2 TiB 8xH200 node "
+                   "(MLPerf's H200-SXM-141GBx8 system, AWS p5e.48xlarge), the rest for the OS, "
+                   "the engine processes and pinned staging")),
     "8xB300": ClusterPreset(
         8, 8, 268.0, 192.0, 8, 16384,
         note=("B300: 268 GiB per GPU (288 GB HBM3e; the driver's exact figure not checked "

@@ -155,15 +155,27 @@ class UlaKVCacheManager(LineManager, KVCacheManager):
             self.block_pool.dead.extend(cached)
         return ok
 
-    def lost_block_owners(self, block_ids, running, vllm_default):
+    def lost_block_owners(self, block_ids, holders, vllm_default):
         # Cached free blocks among them leave the prefix cache (vLLM evicts only running
-        # requests' blocks); the running requests holding any end as vLLM decides.
+        # requests' blocks); the running requests holding any end as vLLM decides. A waiting
+        # request that keeps its blocks (a streaming session between inputs, which vLLM's
+        # mapping skips) and holds one ends too, the block evicted (freed uncached later).
+        from vllm.v1.request import RequestStatus
+
         pool = self.block_pool
         cached = {b for b in block_ids
                   if pool.blocks[b].ref_cnt == 0 and pool.blocks[b].block_hash is not None}
         if cached:
             self.evict_blocks(cached)
-        return vllm_default()
+        failed = set(vllm_default())
+        lost = set(block_ids)
+        waiting = {r.request_id: lost.intersection(b for g in self.get_block_ids(r.request_id)
+                                                   for b in g)
+                   for r in holders if r.status != RequestStatus.RUNNING}
+        held = set().union(*waiting.values())
+        if held:
+            self.evict_blocks(held)
+        return failed | {rid for rid, ids in waiting.items() if ids}
 
     def has_pending_frees(self) -> bool:
         return bool(self.block_pool.dead)
