@@ -119,6 +119,7 @@ def test_failed_copy_drops_the_plans_entries(lru, fail_at):
     """A copy_fn that raises: the plan's entries (promoted and demoted) are dropped -- their
     rows may be half moved -- and nothing else changes; the mapping works on."""
     m, store = _filled(lru, 4, 4, 8)  # host full: promotions swap through staging
+    counted = (m.stats.demotions, m.stats.promotions, m.stats.staged)
     _, plan = m.ensure_resident(torch.tensor([0, 1]))
     assert plan.num_staged == 2
     moved = set(plan._entries.tolist())
@@ -133,6 +134,8 @@ def test_failed_copy_drops_the_plans_entries(lru, fail_at):
     with pytest.raises(RuntimeError, match="copy failed"):
         plan.apply(flaky)
     assert plan.state == "dropped" and m.stats.lost == len(moved) == 4
+    # Moves that did not happen are not counted.
+    assert (m.stats.demotions, m.stats.promotions, m.stats.staged) == counted
     assert plan.apply(store.copy_fn) is plan and plan.state == "dropped"
     t, _ = tier_and_slot(m, torch.arange(8))
     kept = [a for a in range(8) if a not in moved]

@@ -24,7 +24,8 @@ Failures: ``CapacityError`` (the round's working set exceeds the device pool, or
 pool is full) and ``KeyError`` (unknown addresses) leave tables, pools and stats unchanged.
 A ``copy_fn`` that raises may have overwritten some of the plan's rows without writing their
 new places: ``apply`` then drops the plan's entries (unmapped in both tables, their slots back
-in the pools, counted in ``stats.lost``) and re-raises; other entries are untouched.
+in the pools, counted in ``stats.lost``; its demotions, promotions and staged copies are no
+longer counted) and re-raises; other entries are untouched.
 
 Addresses are the rank's own (under TP shard mode the engine maps logical address ``a`` to
 ``a // P`` first: `placement.TokenShard`); -1 is padding. Table values: -1 unmapped, else
@@ -454,6 +455,10 @@ class TieredMapping:
         except BaseException:
             plan.state = "dropped"
             self.stats.lost += self._release(plan._entries)
+            # (counted when planned: these moves did not happen)
+            self.stats.demotions -= int(plan.demote_src_device.numel())
+            self.stats.promotions -= int(plan.promote_src_host.numel())
+            self.stats.staged -= c
             raise
         self.visible.scatter_(0, plan._entries, plan._new_vals)
         plan.state = "committed"

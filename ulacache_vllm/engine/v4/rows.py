@@ -125,13 +125,9 @@ class CsaLayerRows:
         try:
             plan.apply(lambda s, si, d, di: self._copy(s, si, d, di, stage))
         except Exception as err:  # noqa: BLE001 - any copy failure: see the module doc
-            st = self.mapping.stats  # (counted when planned: these moves did not happen)
-            st.demotions -= int(plan.demote_src_device.numel())
-            st.promotions -= int(plan.promote_src_host.numel())
-            if fresh is not None:
-                st.assigned -= int(fresh.numel())  # (placed again by the caller)
             lost = plan.entries
-            if fresh is not None:
+            if fresh is not None:  # (placed again by the caller: counted once)
+                self.mapping.stats.assigned -= int(fresh.numel())
                 lost = lost[~torch.isin(lost, fresh)]
             self._lost(lost, err)
             return False
