@@ -246,8 +246,13 @@ def test_v4_under_the_arena_is_token_exact_against_stock(v4_line_runs):
     assert m["vllm:ulacache_arena_bytes_copied"] > 0, m  # the forced moves ran
     # The CSA rows' tiers ran: rows demoted to the host and promoted back, under pressure.
     csa = ula["usage_pressure"]["csa"]
-    assert csa["device_rows"] == CSA_DEVICE_ROWS and csa["host_used"] > 0, csa
+    assert csa["device_rows"] == CSA_DEVICE_ROWS, csa
     assert csa["demotions"] > 0 and csa["promotions"] > 0, csa
+    # (Taken once the batches finished: with prefix caching on, their cached blocks keep rows on
+    # the host; with it off, as on hosts without AMX, rows go with their requests, the last
+    # batch's with the next step: that nothing stays is checked at the end.)
+    if ula["prefix_caching"]:
+        assert csa["host_used"] > 0, csa
     assert m["vllm:ulacache_v4_csa_demotions"] > 0, m
     assert m["vllm:ulacache_v4_csa_promotions"] > 0, m
     if tight["prefix_caching"]:  # room made from cached pages
