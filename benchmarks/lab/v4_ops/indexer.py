@@ -472,9 +472,12 @@ def _compress_pool_norm_rope(
     kv_vals = state_cache[b3, p3, col.unsqueeze(0)]  # [N, W, hd]
     sc_vals = state_cache[b3, p3, (col + state_width).unsqueeze(0)]
     v3 = valid.unsqueeze(-1)
+    # An invalid slot reads row 0 above (whatever bytes it holds): skipped, as the kernel
+    # skips it, never multiplied by a zero weight (0 * inf or 0 * NaN would leak in).
+    kv_vals = kv_vals.masked_fill(~v3, 0.0)
     sc_masked = sc_vals.masked_fill(~v3, float("-inf"))
     mx = sc_masked.amax(dim=1, keepdim=True)  # -inf if no valid slot
-    e = torch.exp(sc_vals - mx).masked_fill(~v3, 0.0)
+    e = torch.exp(sc_masked - mx).masked_fill(~v3, 0.0)
     denom = e.sum(dim=1)
     acc = (e * kv_vals).sum(dim=1)
     pooled = acc / denom  # NaN when the whole window is invalid (as kernel)
