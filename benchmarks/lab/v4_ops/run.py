@@ -1,11 +1,14 @@
 """Lab only: run a command with the emulated V4 ops in every Python process it starts.
 
     python benchmarks/lab/v4_ops/run.py -m pytest tests/test_v4_line.py -x
-    python benchmarks/lab/v4_ops/run.py benchmarks/v4_capacity.py --quick
+    python benchmarks/lab/v4_ops/run.py benchmarks/v4_capacity.py --prefix-caching
+    ULACACHE_LAB_AMX_SCHEDULE=1 python benchmarks/lab/v4_ops/run.py -m pytest ...
 
-The arguments are handed to this interpreter (``sys.executable``) with ``boot/`` first on
-PYTHONPATH and ``ULACACHE_LAB_V4_OPS=1`` (see ``__init__``: figures from such a run measure
-everything but V4's kernels, and say so where they are written down).
+(the last: V4 configured as on an AMX host, chunked prefill and prefix caching kept; see
+``boot/sitecustomize.py``). The arguments are handed to this interpreter
+(``sys.executable``) with ``boot/`` first on PYTHONPATH and ``ULACACHE_LAB_V4_OPS=1`` (see
+``__init__``: figures from such a run measure everything but V4's kernels, and say so where
+they are written down).
 """
 from __future__ import annotations
 

@@ -1,7 +1,11 @@
 """Lab only (``benchmarks/lab/v4_ops``): imported by every Python process started with this
 folder on PYTHONPATH. With ``ULACACHE_LAB_V4_OPS=1`` it defines the emulated V4 ops and makes
 ulacache's AVX512-BF16 probe (``patches/v4_cpu_isa.host_has_avx512_bf16``) answer yes once
-that module loads, so V4 engines start on an AVX2 host. Without the variable: nothing."""
+that module loads, so V4 engines start on an AVX2 host. With ``ULACACHE_LAB_AMX_SCHEDULE=1``
+as well, vLLM's CPU platform configures a DeepSeek-V4 model as on a host with AMX tiles
+(chunked prefill and prefix caching kept, as ``CpuPlatform.check_and_update_config`` does
+there): only while that method runs for a V4 config, so no AMX kernel is ever picked.
+Without the variables: nothing."""
 import os
 import sys
 
@@ -17,11 +21,35 @@ if os.environ.get("ULACACHE_LAB_V4_OPS") == "1":
 
     install()
 
-    _PROBES = ("ulacache_vllm.patches.v4_cpu_isa",)
+    def _probe_says_yes(module):
+        module.host_has_avx512_bf16 = lambda: True
 
-    class _ProbeFinder(importlib.abc.MetaPathFinder):
+    def _amx_schedule_for_v4(module):
+        import torch
+
+        cls = module.CpuPlatform
+        orig = cls.check_and_update_config.__func__
+
+        def check_and_update_config(cls_, vllm_config):
+            hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+            if getattr(hf, "model_type", None) != "deepseek_v4":
+                return orig(cls_, vllm_config)
+            probe = torch.cpu._is_amx_tile_supported
+            torch.cpu._is_amx_tile_supported = lambda: True
+            try:
+                return orig(cls_, vllm_config)
+            finally:
+                torch.cpu._is_amx_tile_supported = probe
+
+        cls.check_and_update_config = classmethod(check_and_update_config)
+
+    _AFTER = {"ulacache_vllm.patches.v4_cpu_isa": _probe_says_yes}
+    if os.environ.get("ULACACHE_LAB_AMX_SCHEDULE") == "1":
+        _AFTER["vllm.platforms.cpu"] = _amx_schedule_for_v4
+
+    class _AfterImport(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path, target=None):
-            if name not in _PROBES:
+            if name not in _AFTER:
                 return None
             sys.meta_path.remove(self)
             try:
@@ -32,11 +60,11 @@ if os.environ.get("ULACACHE_LAB_V4_OPS") == "1":
                 return spec
             orig = spec.loader.exec_module
 
-            def exec_module(module, _orig=orig):
+            def exec_module(module, _orig=orig, _then=_AFTER[name]):
                 _orig(module)
-                module.host_has_avx512_bf16 = lambda: True
+                _then(module)
 
             spec.loader.exec_module = exec_module
             return spec
 
-    sys.meta_path.insert(0, _ProbeFinder())
+    sys.meta_path.insert(0, _AfterImport())
