@@ -64,3 +64,26 @@ def test_ops_are_the_sixteen_v4_kernels_with_parsing_schemas():
             names.append(key)
     assert len(names) == len(set(names)), "an op defined in two modules"
     assert set(names) == V4_OPS
+
+
+def test_schemas_are_the_ones_vllms_library_registers():
+    """Each emulated schema is, argument for argument, the one vLLM's `_C.abi3.so` (the
+    AVX512-BF16 build, shipped on every x86 host) registers: read from the library's bytes, not
+    loaded (it would not load here without AVX512-BF16), so a vLLM whose kernels change shape
+    fails here on any host."""
+    import mmap
+    from pathlib import Path
+
+    import vllm
+
+    lib = Path(vllm.__file__).parent / "_C.abi3.so"
+    if not lib.exists():
+        pytest.skip(f"{lib.name} is not in this vLLM build (not an x86 CPU wheel)")
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        for mod in MODULES.values():
+            for name, (schema, _) in mod.OPS.items():
+                at = m.find(name.encode() + b"(Tensor")
+                assert at >= 0, f"{name}: no schema in {lib.name}"
+                real = m[at:m.find(b"\0", at)].decode()
+                assert str(torch._C.parse_schema(real)) == str(torch._C.parse_schema(schema)), \
+                    (real, schema)

@@ -7,9 +7,11 @@ the engine core in this process. A batch (long prompts past 4 x 512 tokens, so t
 selects rows, and short ones) runs greedily without faults: the reference (the v4 line's
 parity with stock V4 is ``tests/test_v4_line.py``). Then the same batch with one demotion
 copy failing (``ULACACHE_TEST_MOVE_FAULTS``, ``engine/faults.py``), then with one promotion
-failing: the requests whose rows were lost end with finish_reason "error" and tokens that are a
-prefix of their reference; every other request gets its reference tokens; the failed prompts,
-sent again, get theirs; at the end both CSA tiers are empty. Prints one JSON line and exits 1
+failing: the requests that end with finish_reason "error" are exactly those whose CSA blocks
+(read from the scheduler's block tables when the lost blocks are reported) the failed copy
+lost, their tokens a prefix of their reference; every other request gets its reference
+tokens; one failed copy is counted; the batch sent again gets its reference tokens; at the
+end both CSA tiers are empty. Prints one JSON line and exits 1
 if any of that fails.
 
     python benchmarks/lab/v4_faults.py [--model DIR]
@@ -76,11 +78,33 @@ def main() -> int:
     def metric(name):
         return sum(getattr(m, "value", 0) for m in llm.get_metrics() if m.name == name)
 
+    # Who held the lost rows, computed here from the scheduler's own block tables at the moment
+    # the lost blocks are reported (before the manager acts on them), against whom it ended.
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    kvm = sched.kv_cache_manager
+    index = {tuple(p): i for i, p in enumerate(prompts)}
+    seen: list[dict] = []
+    lost_block_owners = kvm.lost_block_owners
+
+    def recording(block_ids, requests, *a, **k):
+        requests = list(requests)
+        lost = {-1 - b for b in block_ids if b < 0}
+        g = kvm.layout.csa.group
+        holders = {index[tuple(r.prompt_token_ids)] for r in sched.requests.values()
+                   if lost.intersection(kvm.get_block_ids(r.request_id)[g])}
+        owners = lost_block_owners(block_ids, requests, *a, **k)
+        ended = {index[tuple(sched.requests[rid].prompt_token_ids)] for rid in owners}
+        seen.append({"lost_csa_blocks": len(lost), "holders": sorted(holders),
+                     "ended": sorted(ended)})
+        return owners
+
+    kvm.lost_block_owners = recording
     want = [t for t, _ in gen(prompts)]
     res: dict = {"moved": usage()}
     problems = []
     for move in ("demote", "promote"):
         before = metric("vllm:ulacache_v4_csa_failed_copies")
+        seen.clear()
         arm(fault="raise", moves=[move], skip=0, count=1)
         got = gen(prompts)
         arm()
@@ -92,11 +116,19 @@ def main() -> int:
                 problems.append(f"{move}: request {i} ({why}) differs from its reference")
         if not failed:
             problems.append(f"{move}: no request ended (the copy failure must end its holders)")
-        again = gen([prompts[i] for i in failed]) if failed else []
-        if [t for t, _ in again] != [want[i] for i in failed]:
-            problems.append(f"{move}: the failed prompts, sent again, differ")
-        res[move] = {"failed": failed, "failed_copies":
-                     metric("vllm:ulacache_v4_csa_failed_copies") - before}
+        if not seen or not all(e["lost_csa_blocks"] > 0 for e in seen):
+            problems.append(f"{move}: no lost CSA block reported: {seen}")
+        holders = sorted({i for e in seen for i in e["holders"]})
+        if holders != failed or any(e["holders"] != e["ended"] for e in seen):
+            problems.append(f"{move}: ended {failed}, held lost rows {holders}: {seen}")
+        copies = metric("vllm:ulacache_v4_csa_failed_copies") - before
+        if copies != 1:
+            problems.append(f"{move}: {copies} failed copies counted, 1 injected")
+        # The whole batch again (the same schedule as the reference's: stock V4 on CPU is not
+        # schedule-invariant, so a prompt alone could differ from its batched tokens).
+        if [t for t, _ in gen(prompts)] != want:
+            problems.append(f"{move}: the batch, sent again, differs from the reference")
+        res[move] = {"failed": failed, "reports": list(seen), "failed_copies": copies}
     llm.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(max_tokens=1))
     llm.llm_engine.step()  # the empty step that carries the last frees to the worker
     res["end"] = end = usage()

@@ -10,7 +10,8 @@ the same emulated ops, which makes it a check of everything around the kernels (
 tables, slot ids, row views, the scheduler, the tiers), not of the kernels, and not of speed.
 
 Invariants: never imported by the installed package; an op the loaded library already has is
-left alone (on an AVX512-BF16 host nothing is replaced); installed only where asked
+left alone, and on an AVX512-BF16 host (where vLLM loads the real kernels after the boot runs)
+the boot installs nothing; installed only where asked
 (``ULACACHE_LAB_V4_OPS=1`` through ``boot/sitecustomize.py``, which ``run.py`` puts on every
 process's path, vLLM's spawned workers included).
 """
@@ -38,12 +39,13 @@ def install() -> list[str]:
 
     if _LIB is not None:
         return list(INSTALLED)
-    _LIB = torch.library.Library("_C", "FRAGMENT")
+    lib = torch.library.Library("_C", "FRAGMENT")
     for name, (schema, fn) in all_ops().items():
         if hasattr(torch.ops._C, name):
             continue
         assert schema.startswith(name + "("), (name, schema)
-        _LIB.define(schema)
-        _LIB.impl(name, fn, "CPU")
+        lib.define(schema)
+        lib.impl(name, fn, "CPU")
         INSTALLED.append(name)
+    _LIB = lib
     return list(INSTALLED)

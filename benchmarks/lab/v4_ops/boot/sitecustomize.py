@@ -1,7 +1,8 @@
 """Lab only (``benchmarks/lab/v4_ops``): imported by every Python process started with this
 folder on PYTHONPATH. With ``ULACACHE_LAB_V4_OPS=1`` it defines the emulated V4 ops and makes
 ulacache's AVX512-BF16 probe (``patches/v4_cpu_isa.host_has_avx512_bf16``) answer yes once
-that module loads, so V4 engines start on an AVX2 host. With ``ULACACHE_LAB_AMX_SCHEDULE=1``
+that module loads, so V4 engines start on an AVX2 host (on a host with the real kernels it
+does nothing). With ``ULACACHE_LAB_AMX_SCHEDULE=1``
 as well, vLLM's CPU platform configures a DeepSeek-V4 model as on a host with AMX tiles
 (chunked prefill and prefix caching kept, as ``CpuPlatform.check_and_update_config`` does
 there): only while that method runs for a V4 config, so no AMX kernel is ever picked.
@@ -9,7 +10,15 @@ Without the variables: nothing."""
 import os
 import sys
 
-if os.environ.get("ULACACHE_LAB_V4_OPS") == "1":
+def _host_has_the_kernels() -> bool:
+    # Where vLLM loads its `_C` (AVX512-BF16), the real kernels exist: defining them from Python
+    # first would make that library's registration abort the process. Nothing to do there.
+    import torch
+
+    return bool(torch.cpu._is_avx512_supported()) and bool(torch.cpu._is_avx512_bf16_supported())
+
+
+if os.environ.get("ULACACHE_LAB_V4_OPS") == "1" and not _host_has_the_kernels():
     import importlib.abc
     import importlib.util
 
@@ -68,3 +77,6 @@ if os.environ.get("ULACACHE_LAB_V4_OPS") == "1":
             return spec
 
     sys.meta_path.insert(0, _AfterImport())
+    for _name, _then in _AFTER.items():  # (none is imported this early today)
+        if _name in sys.modules:
+            _then(sys.modules[_name])
