@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _selfcheck
+
 # ---------------------------------------------------------------------------
 # Layout constants (flash_mla.cpp / store_cache.cpp)
 # ---------------------------------------------------------------------------
@@ -466,7 +468,7 @@ OPS = {
 
 
 # ---------------------------------------------------------------------------
-# Self-check (lab only): python benchmarks/lab/v4_ops/attention.py
+# Self-check (lab only): cd benchmarks && python -m lab.v4_ops.attention
 # ---------------------------------------------------------------------------
 
 
@@ -477,14 +479,7 @@ def self_check() -> None:
     restored), registers nothing, leaves torch's thread settings alone, and restores the one
     module global it varies (``_CHUNK_ELEMS``). Raises AssertionError naming every failed
     check; on success prints one summary line."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        results = _run_checks()
-    failed = [f"{name}: {detail}" if detail else name for name, ok, detail in results if not ok]
-    if failed:
-        raise AssertionError(f"attention self-check: {len(failed)} of {len(results)} checks "
-                             "failed:\n  " + "\n  ".join(failed))
-    print(f"attention self-check: {len(results)} checks passed")
+    _selfcheck.run("attention", _run_checks)
 
 
 def _run_checks() -> list[tuple[str, bool, str]]:

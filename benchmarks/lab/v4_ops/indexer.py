@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _selfcheck
+
 FP8_MAX = 448.0
 INDEX_HEAD_DIM = 128  # indexer head dim (paged_mqa_logits.cpp kIndexHeadDim)
 INDEX_SCALE_BYTES = 4  # one raw fp32 scale per token in the indexer cache
@@ -445,6 +447,19 @@ def _compress_common_checks(name, state_cache, gather_slots, positions, kv_slot_
            f"{name}: rms_norm_weight/cos_sin_cache must be float32")
 
 
+
+def _compress_prelude(name, state_cache, gather_slots, positions, kv_slot_mapping,
+                      rms_norm_weight, cos_sin_cache, kv_cache_2d, kv_cache_block_size,
+                      compress_ratio, head_dim):
+    """The two compress ops' shared start: checks, the boundary tokens that write (``sel``;
+    empty: nothing to do) and the token chunk bounding the pooled window's memory."""
+    _compress_common_checks(name, state_cache, gather_slots, positions, kv_slot_mapping,
+                            rms_norm_weight, cos_sin_cache, kv_cache_2d, head_dim)
+    compress_ratio = int(compress_ratio)
+    sel = _select_compress_tokens(positions, kv_slot_mapping, compress_ratio)
+    chunk = max(1, _CHUNK_ELEMS // max(gather_slots.size(1) * head_dim * 4, 1))
+    return compress_ratio, int(kv_cache_block_size), sel, chunk
+
 def _compress_pool_norm_rope(
     state_cache, gather_slots, positions, rms_norm_weight, rms_norm_eps,
     cos_sin_cache, compress_ratio, head_dim, rope_dim,
@@ -537,16 +552,10 @@ def compress_norm_rope_store_cpu(
     fp32) -> bf16.  Cache row kv_slot // bs, token p = kv_slot % bs: bytes
     [p*576, p*576+448) fp8, [+448, +576) bf16 rope, scales at bs*576 + p*8
     (7 exponent+127 bytes, then a 0 pad byte).  Mutates kv_cache_2d."""
-    name = "compress_norm_rope_store_cpu"
-    _compress_common_checks(name, state_cache, gather_slots, positions, kv_slot_mapping,
-                            rms_norm_weight, cos_sin_cache, kv_cache_2d, MAIN_HEAD_DIM)
-    compress_ratio = int(compress_ratio)
-    bs = int(kv_cache_block_size)
-    sel = _select_compress_tokens(positions, kv_slot_mapping, compress_ratio)
-    if sel.numel() == 0:
-        return
-    W = gather_slots.size(1)
-    chunk = max(1, _CHUNK_ELEMS // max(W * MAIN_HEAD_DIM * 4, 1))
+    compress_ratio, bs, sel, chunk = _compress_prelude(
+        "compress_norm_rope_store_cpu", state_cache, gather_slots, positions, kv_slot_mapping,
+        rms_norm_weight, cos_sin_cache, kv_cache_2d, kv_cache_block_size, compress_ratio,
+        MAIN_HEAD_DIM)
     for c0 in range(0, sel.numel(), chunk):
         idx = sel[c0:c0 + chunk]
         normed, post = _compress_pool_norm_rope(
@@ -591,16 +600,10 @@ def compress_norm_rope_store_indexer_cpu(
     quantized as ONE block: absmax = max(1e-4, |x|), scale = 2^ceil(log2(
     absmax/448)); fp8 bytes at [p*128, p*128+128) of row kv_slot // bs, the raw
     fp32 scale at bs*128 + p*4.  Mutates kv_cache_2d."""
-    name = "compress_norm_rope_store_indexer_cpu"
-    _compress_common_checks(name, state_cache, gather_slots, positions, kv_slot_mapping,
-                            rms_norm_weight, cos_sin_cache, kv_cache_2d, INDEX_HEAD_DIM)
-    compress_ratio = int(compress_ratio)
-    bs = int(kv_cache_block_size)
-    sel = _select_compress_tokens(positions, kv_slot_mapping, compress_ratio)
-    if sel.numel() == 0:
-        return
-    W = gather_slots.size(1)
-    chunk = max(1, _CHUNK_ELEMS // max(W * INDEX_HEAD_DIM * 4, 1))
+    compress_ratio, bs, sel, chunk = _compress_prelude(
+        "compress_norm_rope_store_indexer_cpu", state_cache, gather_slots, positions,
+        kv_slot_mapping, rms_norm_weight, cos_sin_cache, kv_cache_2d, kv_cache_block_size,
+        compress_ratio, INDEX_HEAD_DIM)
     for c0 in range(0, sel.numel(), chunk):
         idx = sel[c0:c0 + chunk]
         _, post = _compress_pool_norm_rope(
@@ -677,14 +680,7 @@ def self_check() -> None:
     Pure: runs under ``torch.random.fork_rng`` with its own seed (the caller's RNG state is
     restored), registers nothing and leaves torch's thread settings alone. Raises
     AssertionError naming every failed check; on success prints one summary line."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        results = _run_checks()
-    failed = [f"{name}: {detail}" if detail else name for name, ok, detail in results if not ok]
-    if failed:
-        raise AssertionError(f"indexer self-check: {len(failed)} of {len(results)} checks "
-                             "failed:\n  " + "\n  ".join(failed))
-    print(f"indexer self-check: {len(results)} checks passed")
+    _selfcheck.run("indexer", _run_checks)
 
 
 def _run_checks() -> list[tuple[str, bool, str]]:

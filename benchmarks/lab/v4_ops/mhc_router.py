@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _selfcheck
+
 # ---------------------------------------------------------------------------
 # Configuration
 # ---------------------------------------------------------------------------
@@ -281,6 +283,15 @@ def _check_routing_shape(table, name: str, num_experts: int, routed_topk: int) -
     )
 
 
+def _score_fn(scoring_func: str, accepted: tuple[str, ...]):
+    """The router kernel's scoring function by name (each kernel accepts its own set)."""
+    fns = {"softmax": lambda g: torch.softmax(g, dim=-1), "sigmoid": _sigmoid_scores,
+           "sqrtsoftplus": _sqrtsoftplus_scores}
+    if scoring_func not in accepted:
+        raise RuntimeError(f"Unsupported scoring_func: {scoring_func}")
+    return fns[scoring_func]
+
+
 _BIASED_TOPK_SCHEMA = (
     "biased_topk_cpu(Tensor hidden_states, Tensor gating_output, Tensor "
     "correction_bias, int topk, bool renormalize, str scoring_func, int "
@@ -306,12 +317,7 @@ def biased_topk_cpu(
     num_experts = gating_output.shape[1]
     _check(gating_output.shape[0] == num_tokens, "Number of tokens mismatch")
     _check(correction_bias.numel() == num_experts, "Bias shape mismatch")
-    if scoring_func == "sigmoid":
-        score_fn = _sigmoid_scores
-    elif scoring_func == "sqrtsoftplus":
-        score_fn = _sqrtsoftplus_scores
-    else:
-        raise RuntimeError(f"Unsupported scoring_func: {scoring_func}")
+    score_fn = _score_fn(scoring_func, ("sigmoid", "sqrtsoftplus"))
     topk = int(topk)
     nfse = int(num_fused_shared_experts)
     _check_routing_shape(_BIASED_TOPK_SHAPES, "biased_topk_cpu", num_experts, topk - nfse)
@@ -373,14 +379,7 @@ def hash_topk_cpu(
     _check(tid2eid.shape[1] == routed_topk, "tid2eid column count must match routed_topk")
     _check(tid2eid.dtype == torch.int32, "tid2eid must be int32")
     _check(num_experts_gating == num_experts, "num_experts mismatch")
-    if scoring_func == "softmax":
-        scores_fn = lambda g: torch.softmax(g, dim=-1)  # noqa: E731
-    elif scoring_func == "sigmoid":
-        scores_fn = _sigmoid_scores
-    elif scoring_func == "sqrtsoftplus":
-        scores_fn = _sqrtsoftplus_scores
-    else:
-        raise RuntimeError(f"Unsupported scoring_func: {scoring_func}")
+    scores_fn = _score_fn(scoring_func, ("softmax", "sigmoid", "sqrtsoftplus"))
     _check(
         gating_output.dtype in (torch.bfloat16, torch.float16, torch.float32),
         f"Unsupported dtype for hash_topk_cpu: {gating_output.dtype}",
@@ -439,14 +438,7 @@ def self_check() -> None:
     Pure: runs under ``torch.random.fork_rng`` with its own seed (the caller's RNG state is
     restored), registers nothing and leaves torch's thread settings alone. Raises
     AssertionError naming every failed check; on success prints one summary line."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        results = _run_checks()
-    failed = [f"{name}: {detail}" if detail else name for name, ok, detail in results if not ok]
-    if failed:
-        raise AssertionError(f"mhc_router self-check: {len(failed)} of {len(results)} checks "
-                             "failed:\n  " + "\n  ".join(failed))
-    print(f"mhc_router self-check: {len(results)} checks passed")
+    _selfcheck.run("mhc_router", _run_checks)
 
 
 def _run_checks() -> list[tuple[str, bool, str]]:
