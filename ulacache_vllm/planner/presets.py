@@ -130,11 +130,10 @@ def host_memory_note(host_gib_per_gpu: float, source: str) -> str:
 CLUSTER_PRESETS: dict[str, ClusterPreset] = {
     # Host memory: the cited 8xH200 nodes have 2 TiB (MLPerf Inference v4.1's H200-SXM-141GBx8
     # system: 32 x 64 GB; AWS p5e / p5en.48xlarge: 2,048 GiB), 256 GiB per GPU; vendors differ.
-    # The KV pools get three
-    # quarters of it (an assumption of this planner, not a measured figure: the rest for the
-    # OS, the engine processes and pinned staging). Until 2026-12-07 this preset gave 128 GiB,
-    # a figure with no source. ulacache's V4 multiple is the host pool's: 3x stock at 64K needs
-    # at least 164 GiB per GPU (`benchmarks/results/planner_v4.md`).
+    # The KV pools get three quarters of it (an assumption of this planner, not a measured
+    # figure: the rest for the OS, the engine processes and pinned staging). Until 2026-12-07
+    # this preset gave 128 GiB, a figure with no source. ulacache's V4 multiple is the host
+    # pool's: 3x stock at 64K needs at least 164 GiB per GPU (`benchmarks/results/planner_v4.md`).
     "8xH200": ClusterPreset(
         8, 8, 140.0, 192.0, 8, 8192,
         note=("H200: 140 GiB per GPU (the driver reports 143771 MiB for the 141 GB part); "
