@@ -104,18 +104,19 @@ def _dequant_rows(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int) 
     """Dequantize the cache rows of ``slots`` ([N] int64, all valid) -> [N, 512] fp32.
 
     NoPE: fp8 * 2^(e-127), rounded to bf16 (the kernel's ``cvt_fp8_32_to_scaled_bf16``);
-    RoPE: the stored bf16. Reads through ``cache_2d``'s own strides (advanced indexing on
-    the given view: an offset past the view raises instead of reading elsewhere)."""
+    RoPE: the stored bf16. Reads through ``cache_2d``'s own strides: the block rows are
+    viewed as ``[blocks, block_size, 576]`` token data and ``[blocks, block_size, 8]``
+    scales (a block index past the view raises instead of reading elsewhere)."""
     n = slots.shape[0]
     if n == 0:
         return torch.zeros(0, HEAD_DIM, dtype=torch.float32, device=cache_2d.device)
     blk = torch.div(slots, block_size, rounding_mode="floor")
     pos = slots - blk * block_size
-    rows = blk.unsqueeze(-1)
-    data = cache_2d[rows, _byte_cols(pos * TOKEN_DATA_BYTES, TOKEN_DATA_BYTES)]  # [N, 576]
-    sc = cache_2d[rows, _byte_cols(block_size * TOKEN_DATA_BYTES + pos * SCALE_BYTES_PER_TOKEN,
-                                   NUM_QUANT_BLOCKS)]  # [N, 7]
-    nope = data[:, :NOPE_DIM].contiguous().view(torch.float8_e4m3fn).float()
+    data_end = block_size * TOKEN_DATA_BYTES
+    data = cache_2d[:, :data_end].unflatten(1, (block_size, TOKEN_DATA_BYTES))[blk, pos]
+    sc = cache_2d[:, data_end:data_end + block_size * SCALE_BYTES_PER_TOKEN].unflatten(
+        1, (block_size, SCALE_BYTES_PER_TOKEN))[blk, pos, :NUM_QUANT_BLOCKS]  # [N, 7]
+    nope = data[:, :NOPE_DIM].view(torch.float8_e4m3fn).float()
     scale = _e8m0_to_float(sc)
     nope = (nope.view(n, NUM_QUANT_BLOCKS, QUANT_BLOCK) * scale.unsqueeze(-1))
     nope = nope.to(torch.bfloat16).float().view(n, NOPE_DIM)
@@ -123,18 +124,20 @@ def _dequant_rows(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int) 
     return torch.cat((nope, rope), dim=-1)
 
 
-def _gather_kv(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int):
-    """[Tc, K] int64 slot ids -> ([Tc, K, 512] fp32 rows, [Tc, K] valid). A slot is valid
-    iff ``0 <= slot < cache_2d.size(0) * block_size`` (flash_mla.cpp's
-    ``is_valid_sparse_index``); invalid entries get zero rows and are masked."""
+def _unique_rows(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int):
+    """[Tc, K] int64 slot ids -> ([U, 512] fp32 dequantized rows, [Tc, K] int64 index into
+    them, [Tc, K] valid). A slot is valid iff ``0 <= slot < cache_2d.size(0) * block_size``
+    (flash_mla.cpp's ``is_valid_sparse_index``); invalid entries index a zero row (and are
+    masked by the caller). Tokens share most rows (the window, a request's top-k): each row
+    is dequantized once."""
     total = cache_2d.shape[0] * block_size
     valid = (slots >= 0) & (slots < total)
-    rows = torch.zeros(*slots.shape, HEAD_DIM, dtype=torch.float32, device=slots.device)
-    if bool(valid.any()):
-        # Tokens share most rows (the window, a request's top-k): dequantize each once.
-        uniq, inv = torch.unique(slots[valid], return_inverse=True)
-        rows[valid] = _dequant_rows(cache_2d, uniq, block_size)[inv]
-    return rows, valid
+    uniq, inv = torch.unique(torch.where(valid, slots, -1), return_inverse=True)
+    deq = _dequant_rows(cache_2d, uniq.clamp(min=0), block_size) if total > 0 else \
+        torch.zeros(uniq.shape[0], HEAD_DIM, dtype=torch.float32, device=slots.device)
+    if int(uniq[0]) < 0:  # (sorted: the invalid sentinel, if any, comes first)
+        deq[0].zero_()
+    return deq, inv.view(slots.shape), valid
 
 
 # ---------------------------------------------------------------------------
@@ -204,19 +207,33 @@ def flash_mla_with_kvcache_cpu(
     num_window = window_slots.size(1)
     k_total = num_window + num_compressed
     sink = attn_sink.reshape(-1).to(torch.float32).view(1, num_heads)
-    per_token = k_total * max(HEAD_DIM, num_heads) + num_heads * HEAD_DIM
-    chunk = max(1, min(num_tokens, _CHUNK_ELEMS // per_token))
+    # Chunks of tokens bounded by their [Tc, H, K] scores.
+    chunk = max(1, min(num_tokens, _CHUNK_ELEMS // (4 * k_total * num_heads)))
 
     for t0 in range(0, num_tokens, chunk):
         t1 = min(num_tokens, t0 + chunk)
-        kv, valid = _gather_kv(window_cache_2d, window_slots[t0:t1], int(window_block_size))
+        tc = t1 - t0
+        table, idx, valid = _unique_rows(window_cache_2d, window_slots[t0:t1],
+                                         int(window_block_size))
         if num_compressed > 0:
-            kv_c, valid_c = _gather_kv(compressed_cache_2d, compressed_slots[t0:t1],
-                                       int(compressed_block_size))
-            kv = torch.cat((kv, kv_c), dim=1)
+            table_c, idx_c, valid_c = _unique_rows(
+                compressed_cache_2d, compressed_slots[t0:t1], int(compressed_block_size))
+            idx = torch.cat((idx, idx_c + table.shape[0]), dim=1)
+            table = torch.cat((table, table_c))
             valid = torch.cat((valid, valid_c), dim=1)
         qf = q[t0:t1].float()  # [Tc, H, 512]
-        scores = torch.bmm(qf, kv.transpose(1, 2)) * float(scale)  # [Tc, H, K]
+        u = table.shape[0]
+        # Shared rows (a prefill chunk): scores against each distinct row once, then picked
+        # per token; distinct rows per token (decode): the token's own rows gathered.
+        shared = u * num_heads < k_total * (num_heads + 8)
+        if shared:
+            su = (qf.reshape(tc * num_heads, HEAD_DIM) @ table.T).view(tc, num_heads, u)
+            scores = su.gather(2, idx.unsqueeze(1).expand(tc, num_heads, k_total))
+            kv = None
+        else:
+            kv = table.index_select(0, idx.reshape(-1)).view(tc, k_total, HEAD_DIM)
+            scores = torch.bmm(qf, kv.transpose(1, 2))  # [Tc, H, K]
+        scores = scores * float(scale)
         scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
         m = scores.amax(dim=-1)  # [Tc, H]; -inf where no valid slot
         lonely = ~torch.isfinite(m)
@@ -224,7 +241,13 @@ def flash_mla_with_kvcache_cpu(
         p = torch.exp(scores - m_safe.unsqueeze(-1))
         s = p.sum(dim=-1)
         # PV on bf16-rounded probabilities (the kernel's s_delta2), fp32 accumulate.
-        acc = torch.bmm(p.to(torch.bfloat16).float(), kv)  # [Tc, H, 512]
+        pb = p.to(torch.bfloat16).float()
+        if shared:
+            pu = torch.zeros(tc, num_heads, u, dtype=torch.float32, device=q.device)
+            pu.scatter_add_(2, idx.unsqueeze(1).expand(tc, num_heads, k_total), pb)
+            acc = (pu.view(tc * num_heads, u) @ table).view(tc, num_heads, HEAD_DIM)
+        else:
+            acc = torch.bmm(pb, kv)  # [Tc, H, 512]
         lonely = lonely | (s == 0)
         s_safe = torch.where(lonely, torch.ones_like(s), s)
         lse = m_safe + torch.log(s_safe)
