@@ -2,8 +2,11 @@
 
 vLLM engines are slow to start (~15 s on CPU), spawn worker processes and keep global
 state, so tests run each engine in its own interpreter: one engine per script, reused for
-several generate calls inside it. The script calls ``emit(obj)`` (defined by the prelude)
-to return a JSON-serialisable result; ``run_vllm_script`` returns it.
+several generate calls inside it. Most of that start is importing vLLM: a script whose
+environment allows it is forked from a pre-imported interpreter (``tests/_vllm_zygote.py``)
+instead of starting a fresh one; it runs the same way either way. The script calls
+``emit(obj)`` (defined by the prelude) to return a JSON-serialisable result;
+``run_vllm_script`` returns it.
 
     res = run_vllm_script('''
     from vllm import LLM
@@ -109,9 +112,15 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
     (root / "script.py").write_text(script)
     out_path, err_path = root / "stdout", root / "stderr"
     try:
-        with open(out_path, "w") as fo, open(err_path, "w") as fe:
-            proc = subprocess.Popen([sys.executable, str(root / "script.py")], stdout=fo,
-                                    stderr=fe, env=full_env, cwd=root)
+        zygote = _zygote()
+        if zygote is not None and zygote.accepts(full_env):
+            proc = zygote.spawn(root / "script.py", full_env, root, out_path, err_path)
+            SCRIPTS["forked"] += 1
+        else:
+            SCRIPTS["fresh"] += 1
+            with open(out_path, "w") as fo, open(err_path, "w") as fe:
+                proc = subprocess.Popen([sys.executable, str(root / "script.py")], stdout=fo,
+                                        stderr=fe, env=full_env, cwd=root)
     except BaseException:
         td.cleanup()
         raise
@@ -244,7 +253,41 @@ def _warn_unclean_exit(proc: subprocess.Popen, err_path: Path, killed: bool) -> 
     warnings.warn(f"vLLM script {msg}\n--- stderr ---\n{_tail(_read(err_path), 2000)}")
 
 
-atexit.register(_reap_shut_down, True)
+# The pre-imported interpreter that forks scripts (``tests/_vllm_zygote.py``): started by
+# ``start_zygote`` (conftest, once engine tests are collected) or by the first script; off with
+# ULACACHE_TEST_ZYGOTE=0 (every script a fresh interpreter). One that died is not restarted:
+# later scripts start fresh interpreters.
+ZYGOTE_ENV = "ULACACHE_TEST_ZYGOTE"
+SCRIPTS = {"forked": 0, "fresh": 0}  # how this session's scripts started (pytest's summary)
+_ZYGOTE: Any = None
+_ZYGOTE_LOCK = threading.Lock()
+
+
+def start_zygote() -> None:
+    _zygote()
+
+
+def _zygote():
+    global _ZYGOTE
+    if os.environ.get(ZYGOTE_ENV, "1") == "0":
+        return None
+    with _ZYGOTE_LOCK:
+        if _ZYGOTE is None:
+            from _vllm_zygote import Zygote
+
+            _ZYGOTE = Zygote(vllm_env())
+        if _ZYGOTE.dead():
+            return None
+        return _ZYGOTE
+
+
+def _at_exit() -> None:
+    _reap_shut_down(True)  # (the zygote's children among them)
+    if _ZYGOTE is not None:
+        _ZYGOTE.close()
+
+
+atexit.register(_at_exit)
 
 
 # The engine core in the script's own process (vLLM's uni-process executor: the worker there

@@ -115,3 +115,22 @@ def pytest_runtest_setup(item):
 def tiny_model() -> TinyModels:
     MODELS_CACHE.mkdir(parents=True, exist_ok=True)
     return TinyModels(MODELS_CACHE)
+
+
+def pytest_collection_finish(session):
+    """With engine tests selected: start the pre-imported interpreter that forks their scripts
+    (``tests/_vllm_zygote.py``) now, so its vLLM import overlaps the tests before them."""
+    if any(item.get_closest_marker("engine") for item in session.items):
+        import _vllm_subprocess
+
+        _vllm_subprocess.start_zygote()
+
+
+def pytest_terminal_summary(terminalreporter):
+    import _vllm_subprocess
+
+    n = _vllm_subprocess.SCRIPTS
+    if n["forked"] or n["fresh"]:
+        terminalreporter.write_line(
+            f"vLLM scripts: {n['forked']} forked from the pre-imported interpreter, "
+            f"{n['fresh']} in fresh interpreters")
