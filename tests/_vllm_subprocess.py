@@ -28,6 +28,7 @@ import textwrap
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,13 +53,14 @@ def _tail(text: str, n: int = 6000) -> str:
     return text if len(text) <= n else "...\n" + text[-n:]
 
 
-def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+def vllm_env(extra: dict[str, str] | None = None,
+             base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for a vLLM CPU subprocess.
 
     VLLM_CPU_KVCACHE_SPACE is dropped: it conflicts with kv_cache_memory_bytes (an empty
     value even crashes). The repo root goes on PYTHONPATH so an uninstalled checkout works.
     """
-    env = dict(os.environ)
+    env = dict(os.environ if base is None else base)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     # Test-process flags that must not reach an engine (the kernel tests run Triton's
     # interpreter; engines never do).
@@ -113,11 +115,13 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
     out_path, err_path = root / "stdout", root / "stderr"
     try:
         zygote = _zygote()
-        if zygote is not None and zygote.accepts(full_env):
+        refused = zygote.refusal(full_env) if zygote is not None else ["(no zygote)"]
+        if not refused:
             proc = zygote.spawn(root / "script.py", full_env, root, out_path, err_path)
             SCRIPTS["forked"] += 1
         else:
             SCRIPTS["fresh"] += 1
+            SCRIPTS["fresh_keys"].update(refused)
             with open(out_path, "w") as fo, open(err_path, "w") as fe:
                 proc = subprocess.Popen([sys.executable, str(root / "script.py")], stdout=fo,
                                         stderr=fe, env=full_env, cwd=root)
@@ -258,16 +262,20 @@ def _warn_unclean_exit(proc: subprocess.Popen, err_path: Path, killed: bool) -> 
 # ULACACHE_TEST_ZYGOTE=0 (every script a fresh interpreter). One that died is not restarted:
 # later scripts start fresh interpreters.
 ZYGOTE_ENV = "ULACACHE_TEST_ZYGOTE"
-SCRIPTS = {"forked": 0, "fresh": 0}  # how this session's scripts started (pytest's summary)
+# How this session's scripts started, and the keys that kept them from the zygote (pytest's
+# summary).
+SCRIPTS: dict[str, Any] = {"forked": 0, "fresh": 0, "fresh_keys": Counter()}
 _ZYGOTE: Any = None
 _ZYGOTE_LOCK = threading.Lock()
 
 
-def start_zygote() -> None:
-    _zygote()
+def start_zygote(base_env: dict[str, str] | None = None) -> None:
+    """Start it now, with ``base_env`` for this process's environment (conftest: the session's,
+    which every test starts with, whatever collecting the tests imported)."""
+    _zygote(base_env)
 
 
-def _zygote():
+def _zygote(base_env: dict[str, str] | None = None):
     global _ZYGOTE
     if os.environ.get(ZYGOTE_ENV, "1") == "0":
         return None
@@ -275,7 +283,7 @@ def _zygote():
         if _ZYGOTE is None:
             from _vllm_zygote import Zygote
 
-            _ZYGOTE = Zygote(vllm_env())
+            _ZYGOTE = Zygote(vllm_env(base=base_env))
         if _ZYGOTE.dead():
             return None
         return _ZYGOTE

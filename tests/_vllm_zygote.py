@@ -254,8 +254,13 @@ class Zygote:
         return self.proc.poll() is not None
 
     def accepts(self, env: dict[str, str]) -> bool:
+        return not self.refusal(env)
+
+    def refusal(self, env: dict[str, str]) -> list[str]:
+        """The keys of ``env`` that keep it from a forked child (empty: accepted)."""
         if not self._ready:
             self._wait_ready()
+        keys = []
         for k in set(env) | set(self.env):
             if env.get(k) == self.env.get(k) or _may_differ(k):
                 continue
@@ -265,11 +270,11 @@ class Zygote:
             # value that import leaves is the one a fresh interpreter would end with.
             if k in self.imported and env.get(k) == self.imported[k]:
                 continue
-            return False
+            keys.append(k)
         if "OMP_PLACES" in env and "OMP_PLACES" not in self.env:
             if not _ONE_PLACE.match(env["OMP_PLACES"]) or env.get("OMP_PROC_BIND") != "true":
-                return False
-        return True
+                keys.append("OMP_PLACES")
+        return sorted(keys)
 
     def _wait_ready(self) -> None:
         with self._lock:

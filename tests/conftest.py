@@ -103,6 +103,29 @@ def pytest_make_collect_report(collector):
             f"tests/core/_triton_interpreter.py's interpreted()).")
 
 
+# The process environment every test starts with. vLLM's CPU platform hook edits os.environ
+# whenever a test builds an engine config in this process (LD_PRELOAD of torch's libgomp,
+# NUMEXPR_MAX_THREADS, VLLM_WORKER_MULTIPROC_METHOD, LOCAL_WORLD_SIZE, ...): left there, every
+# later engine, server or lm-eval subprocess would inherit them (an LD_PRELOAD at its start),
+# differently with the order tests run in, and none could be forked from the pre-imported
+# interpreter. Put back after each module's last test, once its module-scoped fixtures are
+# torn down (a module may scope a flag to itself: tests/core/_triton_interpreter.py), pytest's
+# own PYTEST_CURRENT_TEST aside.
+SESSION_ENV = dict(os.environ)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    for k in [k for k in os.environ if k not in SESSION_ENV and k != "PYTEST_CURRENT_TEST"]:
+        del os.environ[k]
+    for k, v in SESSION_ENV.items():
+        if os.environ.get(k) != v:
+            os.environ[k] = v
+
+
 def pytest_runtest_setup(item):
     """Before any fixture of ``item`` (module-scoped ones included) runs: tell the engine
     helper whether this test may boot vLLM."""
@@ -123,7 +146,7 @@ def pytest_collection_finish(session):
     if any(item.get_closest_marker("engine") for item in session.items):
         import _vllm_subprocess
 
-        _vllm_subprocess.start_zygote()
+        _vllm_subprocess.start_zygote(SESSION_ENV)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -133,4 +156,5 @@ def pytest_terminal_summary(terminalreporter):
     if n["forked"] or n["fresh"]:
         terminalreporter.write_line(
             f"vLLM scripts: {n['forked']} forked from the pre-imported interpreter, "
-            f"{n['fresh']} in fresh interpreters")
+            f"{n['fresh']} in fresh interpreters (for: "
+            f"{', '.join(f'{k} x{c}' for k, c in n['fresh_keys'].most_common()) or '-'})")

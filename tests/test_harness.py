@@ -79,3 +79,33 @@ def test_unmarked_test_cannot_boot_an_engine():
 def test_marked_test_may_run_a_script():
     assert vs.ENGINE_MARKED is True
     assert vs.run_vllm_script("emit(ARGS['x'] + 1)", args={"x": 41}) == 42
+
+
+_LEAKING_MODULE = """
+import os
+def test_edits_the_environment():  # as vLLM's platform hook does for an in-process config
+    os.environ["ULACACHE_TEST_LEAKED"] = "1"
+    os.environ["PATH"] += os.pathsep + "/nonexistent-by-a-test"
+def test_still_sees_it_in_its_module():
+    assert os.environ["ULACACHE_TEST_LEAKED"] == "1"
+"""
+_NEXT_MODULE = """
+import os
+def test_starts_with_the_session_environment():
+    assert "ULACACHE_TEST_LEAKED" not in os.environ
+    assert "/nonexistent-by-a-test" not in os.environ["PATH"]
+"""
+
+
+def test_a_module_that_edits_the_environment_leaves_it_to_itself(tmp_path):
+    """conftest puts the session's environment back after each module: what a module's tests
+    left in os.environ (vLLM's platform hook edits it when a test builds an engine config in
+    the test process) reaches neither later modules nor the engine subprocesses they start."""
+    (tmp_path / "test_a_leaks.py").write_text(_LEAKING_MODULE)
+    (tmp_path / "test_b_next.py").write_text(_NEXT_MODULE)
+    env = dict(vs.vllm_env(), PYTHONPATH=os.pathsep.join(
+        [str(vs.REPO_ROOT / "tests"), vs.vllm_env().get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p",
+                           "no:cacheprovider", "-p", "no:randomly", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert "3 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

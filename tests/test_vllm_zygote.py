@@ -69,7 +69,7 @@ def test_a_forked_script_runs_as_a_fresh_interpreter(tmp_path):
     if "OMP_PLACES" not in zygote.env:
         env.update(share)
     keys = sorted({*env, "PYTORCH_NVML_BASED_CUDA_CHECK", vs.ZYGOTE_ENV})
-    assert zygote.accepts(vs.vllm_env(env))
+    assert not zygote.refusal(vs.vllm_env(env))
     res = vs.run_vllm_script(SCRIPT, args={"keys": keys, "exit": 0}, env=env,
                              boots_engine=False)
     assert res["main"] == "__main__" and res["argv"][0].endswith("script.py")
