@@ -115,11 +115,17 @@ def run_vllm_script(code: str, *, args: dict[str, Any] | None = None, timeout: f
     out_path, err_path = root / "stdout", root / "stderr"
     try:
         zygote = _zygote()
-        refused = zygote.refusal(full_env) if zygote is not None else ["(no zygote)"]
-        if not refused:
-            proc = zygote.spawn(root / "script.py", full_env, root, out_path, err_path)
-            SCRIPTS["forked"] += 1
-        else:
+        proc, refused = None, ["(no zygote)"]
+        if zygote is not None:
+            try:
+                refused = zygote.refusal(full_env)
+                if not refused:
+                    proc = zygote.spawn(root / "script.py", full_env, root, out_path, err_path)
+                    SCRIPTS["forked"] += 1
+            except (OSError, RuntimeError, ValueError) as e:  # (it is out of use now)
+                warnings.warn(f"the vLLM zygote failed ({e!r}): fresh interpreters from now")
+                refused = ["(zygote failed)"]
+        if proc is None:
             SCRIPTS["fresh"] += 1
             SCRIPTS["fresh_keys"].update(refused)
             with open(out_path, "w") as fo, open(err_path, "w") as fe:

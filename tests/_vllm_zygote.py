@@ -18,9 +18,12 @@ Invariants:
   boot reads at start-up): the difference is applied on top of the zygote's environment as
   its imports left it (vLLM's import sets a few keys, as it would in a fresh interpreter).
   GNU OpenMP reads ``OMP_NUM_THREADS``/``OMP_PLACES``/``OMP_PROC_BIND`` when torch loads it,
-  so for a zygote started without them the child applies them itself: a single place
-  ``{cpus}`` bound as the process's CPU affinity (its threads are created after, inheriting
-  it), the thread count through torch. Anything else that differs: a fresh interpreter.
+  so for a zygote started without OpenMP settings the child applies them itself, only as the
+  whole triple the harness writes (a thread count, one place ``{cpus}``, bound): the place as
+  the process's CPU affinity (its threads are created after, inheriting it), the count through
+  torch. Anything else that differs: a fresh interpreter. The zygote's replies go on a
+  descriptor of their own (whatever its imports print goes to its log); one that fails or
+  is interrupted mid-request is killed, and scripts start fresh interpreters from then on.
 - Exit statuses: the zygote reaps its children and writes each one's return code (negative:
   the killing signal, as ``subprocess.Popen.returncode``) to the file the request named.
 - On end of input (the test process gone) it waits for its children (60 s) and kills those
@@ -46,10 +49,13 @@ from pathlib import Path
 
 # Read when used, never at import: a child may carry other values than the zygote.
 MAY_DIFFER = frozenset({"VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND",
-                        "VLLM_CPU_NUM_OF_RESERVED_CPU", "VLLM_SERVER_DEV_MODE",
-                        "ULACACHE_SCRIPT_ARGS", "PYTEST_CURRENT_TEST"})
+                        "VLLM_CPU_NUM_OF_RESERVED_CPU", "ULACACHE_SCRIPT_ARGS",
+                        "PYTEST_CURRENT_TEST"})
 OMP_KEYS = ("OMP_NUM_THREADS", "OMP_PLACES", "OMP_PROC_BIND")
 _ONE_PLACE = re.compile(r"^\{(\d+(?:,\d+)*)\}$")
+# Any of these in the zygote's own start-up: OpenMP was set up there; no child may differ.
+_OMP_SETUP = ("OMP_", "GOMP_", "KMP_AFFINITY")
+READY_TIMEOUT_S = 300.0
 CHILD_GRACE_S = 60.0
 
 
@@ -82,12 +88,14 @@ def _apply_omp(env: dict[str, str]) -> None:
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
-def _child(req: dict, startup_env: dict[str, str]) -> None:
+def _child(req: dict, startup_env: dict[str, str], proto_fd: int) -> None:
     """Become the script's interpreter; never returns (exits through SystemExit)."""
     code = 1
     try:
-        fd = os.open(os.devnull, os.O_RDONLY)
+        fd = os.open(os.devnull, os.O_RDWR)
         os.dup2(fd, 0)
+        os.dup2(fd, proto_fd)  # (the zygote's replies are not the child's to hold open)
+        os.close(fd)
         for target, path in ((1, req["stdout"]), (2, req["stderr"])):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
             os.dup2(fd, target)
@@ -141,8 +149,12 @@ def _reap(rc_files: dict[int, str]) -> None:
 def serve() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the test process decides; EOF ends us
     startup_env = dict(os.environ)
+    # Replies on a descriptor of their own: whatever the imports print goes to the log.
+    proto_fd = os.dup(1)
+    os.dup2(2, 1)
+    out = os.fdopen(proto_fd, "w")
+    sys.path[0] = os.getcwd()  # (its own directory: nothing of tests/ shadows an import)
     _preload()
-    out = sys.stdout
     imported = {k: v for k, v in os.environ.items() if startup_env.get(k) != v}
     out.write(json.dumps({"ready": os.getpid(), "imported": imported}) + "\n")
     out.flush()
@@ -167,7 +179,7 @@ def serve() -> None:
                 out.flush()
                 continue
             if pid == 0:
-                _child(req, startup_env)
+                _child(req, startup_env, proto_fd)
             rc_files[pid] = req["rc"]
             out.write(json.dumps({"pid": pid}) + "\n")
             out.flush()
@@ -196,14 +208,21 @@ class ForkedProcess:
     def __init__(self, pid: int, rc_path: Path, args: list[str], zygote: "Zygote"):
         self.pid, self.args, self.returncode = pid, args, None
         self._rc_path, self._zygote = rc_path, zygote
+        self._gone_since: float | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             try:
                 self.returncode = int(self._rc_path.read_text())
             except (FileNotFoundError, ValueError):
-                if self._zygote.dead() and not _alive(self.pid):
+                if _alive(self.pid):
+                    self._gone_since = None
+                elif self._zygote.dead():
                     self.returncode = -signal.SIGKILL  # reaped by init: status unknown
+                elif self._gone_since is None:
+                    self._gone_since = time.monotonic()
+                elif time.monotonic() - self._gone_since > 2.0:  # reaped, no code written
+                    self.returncode = -signal.SIGKILL
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -264,26 +283,46 @@ class Zygote:
         for k in set(env) | set(self.env):
             if env.get(k) == self.env.get(k) or _may_differ(k):
                 continue
-            if k in OMP_KEYS and k not in self.env:
+            if k in OMP_KEYS and not any(z.startswith(_OMP_SETUP) for z in self.env):
                 continue
             # Set by vLLM's import (in the test process too, where it imported vLLM): the
             # value that import leaves is the one a fresh interpreter would end with.
-            if k in self.imported and env.get(k) == self.imported[k]:
+            if k in self.imported and env.get(k) == self.imported[k] \
+                    and not k.startswith(("LD_", "PYTHON")):
                 continue
             keys.append(k)
-        if "OMP_PLACES" in env and "OMP_PLACES" not in self.env:
-            if not _ONE_PLACE.match(env["OMP_PLACES"]) or env.get("OMP_PROC_BIND") != "true":
-                keys.append("OMP_PLACES")
-        return sorted(keys)
+        omp = {k: env[k] for k in OMP_KEYS if k in env and env[k] != self.env.get(k)}
+        if omp and not (len(omp) == 3 and omp["OMP_NUM_THREADS"].isdigit()
+                        and _ONE_PLACE.match(omp["OMP_PLACES"])
+                        and omp["OMP_PROC_BIND"] == "true"):
+            keys.append("OMP_*")  # only the whole triple of one bound place is reproduced
+        return sorted(set(keys))
 
     def _wait_ready(self) -> None:
         with self._lock:
             if not self._ready:
-                got = self._reply()  # {"ready": pid, "imported": {...}}: the imports are done
-                self.imported = got["imported"]
+                try:
+                    # {"ready": pid, "imported": {...}}: the imports are done
+                    got = self._reply(READY_TIMEOUT_S)
+                    self.imported = got["imported"]
+                except BaseException:
+                    self.kill()
+                    raise
                 self._ready = True
 
-    def _reply(self) -> dict:
+    def kill(self) -> None:
+        """Take the zygote out of use (its running children are left to finish)."""
+        if not self.dead():
+            self.proc.kill()
+            self.proc.wait()
+
+    def _reply(self, timeout: float | None = None) -> dict:
+        if timeout is not None:
+            import select as _select
+
+            if not _select.select([self.proc.stdout], [], [], timeout)[0]:
+                raise RuntimeError(f"the vLLM zygote did not answer in {timeout:.0f} s; its "
+                                   f"log: {self._log.name}")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"the vLLM zygote exited ({self.proc.poll()}); its log: "
@@ -301,9 +340,13 @@ class Zygote:
             rc = self.dir / f"{self._seq}.returncode"
             req = dict(script=str(script), env=env, cwd=str(cwd), stdout=str(stdout),
                        stderr=str(stderr), rc=str(rc))
-            self.proc.stdin.write((json.dumps(req) + "\n").encode())
-            self.proc.stdin.flush()
-            got = self._reply()
+            try:
+                self.proc.stdin.write((json.dumps(req) + "\n").encode())
+                self.proc.stdin.flush()
+                got = self._reply(60.0)
+            except BaseException:  # (an interrupt between request and reply included)
+                self.kill()  # never pair a later request with this one's reply
+                raise
         if "pid" not in got:
             raise RuntimeError(f"the vLLM zygote could not fork: {got}")
         return ForkedProcess(got["pid"], rc, [sys.executable, str(script)], self)

@@ -143,7 +143,8 @@ def tiny_model() -> TinyModels:
 def pytest_collection_finish(session):
     """With engine tests selected: start the pre-imported interpreter that forks their scripts
     (``tests/_vllm_zygote.py``) now, so its vLLM import overlaps the tests before them."""
-    if any(item.get_closest_marker("engine") for item in session.items):
+    if not session.config.option.collectonly and any(
+            item.get_closest_marker("engine") for item in session.items):
         import _vllm_subprocess
 
         _vllm_subprocess.start_zygote(SESSION_ENV)

@@ -38,6 +38,8 @@ def test_accepts_only_differences_read_when_used():
     assert z.accepts({**base, **share})
     assert not z.accepts({**base, **share, "OMP_PLACES": "{0},{1}"})
     assert not z.accepts({**base, **share, "OMP_PROC_BIND": "close"})
+    assert not z.accepts({**base, **share, "OMP_NUM_THREADS": "4,2"})
+    assert not z.accepts({**base, "OMP_PROC_BIND": "true"})  # (not the whole triple)
     assert not _bare({**base, "OMP_NUM_THREADS": "2"}).accepts({**base, **share})
     assert _bare({**base, **share}).accepts({**base, **share})
 
