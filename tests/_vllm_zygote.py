@@ -172,6 +172,8 @@ def serve() -> None:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
+            sys.stdout.flush()  # (nothing buffered may reach a child's output)
+            sys.stderr.flush()
             try:
                 pid = os.fork()
             except OSError as e:
