@@ -129,15 +129,25 @@ def _unique_rows(cache_2d: torch.Tensor, slots: torch.Tensor, block_size: int):
     them, [Tc, K] valid). A slot is valid iff ``0 <= slot < cache_2d.size(0) * block_size``
     (flash_mla.cpp's ``is_valid_sparse_index``); invalid entries index a zero row (and are
     masked by the caller). Tokens share most rows (the window, a request's top-k): each row
-    is dequantized once."""
+    is dequantized once. The rows are ordered by their first use in ``slots`` (row-major),
+    never by slot id: the sums over them then run in an order that depends on which entries
+    name the same row, not on where the rows live, so the same tokens placed in other blocks
+    (another request, a second pool) give the same bits, as the kernel does."""
     total = cache_2d.shape[0] * block_size
     valid = (slots >= 0) & (slots < total)
-    uniq, inv = torch.unique(torch.where(valid, slots, -1), return_inverse=True)
+    flat = torch.where(valid, slots, -1).reshape(-1)
+    uniq, inv = torch.unique(flat, return_inverse=True)
+    u = uniq.shape[0]
+    first = torch.full((u,), flat.shape[0], dtype=torch.int64, device=slots.device)
+    first.scatter_reduce_(0, inv, torch.arange(flat.shape[0], device=slots.device), "amin")
+    order = torch.argsort(first)  # (first uses are distinct: a strict order)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(u, device=slots.device)
+    uniq = uniq[order]
     deq = _dequant_rows(cache_2d, uniq.clamp(min=0), block_size) if total > 0 else \
-        torch.zeros(uniq.shape[0], HEAD_DIM, dtype=torch.float32, device=slots.device)
-    if int(uniq[0]) < 0:  # (sorted: the invalid sentinel, if any, comes first)
-        deq[0].zero_()
-    return deq, inv.view(slots.shape), valid
+        torch.zeros(u, HEAD_DIM, dtype=torch.float32, device=slots.device)
+    deq[uniq < 0] = 0.0  # the invalid sentinel's row, if any
+    return deq, rank[inv].view(slots.shape), valid
 
 
 # ---------------------------------------------------------------------------
@@ -786,6 +796,39 @@ def _run_checks() -> list[tuple[str, bool, str]]:
         report("flash_mla: token chunking invariant", torch.equal(o1, o2))
     finally:
         _CHUNK_ELEMS = saved
+
+    # placement: the same rows at other slots (blocks and positions permuted, as another
+    # request's or another pool's) give the same bits, along both paths (rows shared by a
+    # chunk's tokens, and each token's own rows)
+    # (sizes: enough outputs that a changed fp32 summation order shows in their bf16 bits)
+    for tag, T, shared in (("shared rows", 192, True), ("own rows", 12, False)):
+        bs, nblk, H, win = 16, 48, 16, 64
+        n = nblk * bs
+        vals = torch.randn(n, HEAD_DIM)
+        c1 = padded_cache(nblk, bs, 8)
+        pack_rows(c1, torch.arange(n), vals, bs)
+        perm = torch.randperm(n)  # row r of c1 sits at slot perm[r] of c2
+        c2 = padded_cache(nblk, bs, 8)
+        pack_rows(c2, perm, vals, bs)
+        if shared:  # a causal window over consecutive tokens, then 256 common rows
+            loc = torch.arange(T).unsqueeze(-1) - torch.arange(win)
+            sl = torch.cat((torch.where(loc >= 0, loc, -1), torch.randperm(n - T)[:256]
+                            .add(T).expand(T, 256)), dim=1)
+        else:
+            sl = torch.stack([torch.randperm(n)[:win + 60] for _ in range(T)])
+            sl[0, 3] = -1
+        sl2 = torch.where(sl >= 0, perm[sl.clamp(min=0)], -1)
+        q = (torch.randn(T, H, HEAD_DIM) * 0.5).to(torch.bfloat16)
+        sink = torch.randn(H)
+        outs = []
+        for cache, slots in ((c1, sl), (c2, sl2)):
+            o = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16)
+            flash_mla_with_kvcache_cpu(o, q, cache, slots[:, :win].contiguous(), bs, cache,
+                                       slots[:, win:].contiguous(), bs, sink, 0.02)
+            outs.append(o)
+        tbl = _unique_rows(c1, sl[:, win:].contiguous(), bs)[0].shape[0]
+        report(f"flash_mla: placement invariant ({tag}; {tbl} distinct compressed rows)",
+               torch.equal(outs[0], outs[1]))
 
     # -- integration: insert with the emulated store, read back with the emulated attention --
     T, H, bs = 6, 4, 16
