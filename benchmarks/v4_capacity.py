@@ -145,6 +145,9 @@ def main() -> None:
     ap.add_argument("--prefix-caching", action="store_true",
                     help="vLLM's prefix caching on for both (its default for V4 on AMX hosts; "
                     "the prompts share nothing, so what it changes is what each side keeps)")
+    ap.add_argument("--timeout-s", type=int, default=1800,
+                    help="each side's limit (the lab's emulated kernels need more than the "
+                    "default for the 8-layer runs)")
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
     if args.worker:
@@ -166,7 +169,7 @@ def main() -> None:
     base = dict(model=model, kv_bytes=args.kv_mib * MiB, requests=args.requests,
                 prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, seed=0,
-                timeout=1800, csa_device_rows=args.csa_device_rows,
+                timeout=args.timeout_s, csa_device_rows=args.csa_device_rows,
                 prefix_caching=args.prefix_caching)
     ula_kv = int((args.kv_mib - args.ula_less_mib) * MiB)
     res = {b: _spawn({**base, "backend": b, **({"kv_bytes": ula_kv} if b == "ulacache" else {})})
@@ -183,7 +186,8 @@ def main() -> None:
             ("KV bytes per running request (decode)", "decode_bytes_per_request", "{:,.0f}"),
             ("steps", "steps", "{:.0f}"), ("wall s", "wall_s", "{:.1f}"),
             ("output tok/s", "out_tok_s", "{:.1f}")]
-    print(f"\nDeepSeek-V4 (tiny, layers {args.compress_ratios or '0,4,128'}) at {args.kv_mib} MiB KV, {args.requests} requests of "
+    print(f"\nDeepSeek-V4 (tiny, layers {args.compress_ratios or '0,4,128'}) at {args.kv_mib} "
+          f"MiB KV, {args.requests} requests of "
           f"{args.prompt_tokens}-{args.prompt_tokens + 199} prompt + {args.output_tokens} output "
           f"tokens, max_num_seqs {args.max_num_seqs}, prefix caching "
           f"{'on' if args.prefix_caching else 'off'}" + (

@@ -240,9 +240,10 @@ from vllm import LLM, SamplingParams
 import vllm._custom_ops as ops
 
 res = {}
+# (steps pinned to max_model_len on every host: a prompt is one step, alone or batched)
 kw = dict(dtype="bfloat16", enforce_eager=True, max_model_len=ARGS["max_model_len"],
-          max_num_seqs=4, seed=0, kv_cache_memory_bytes=256 << 20,
-          distributed_executor_backend="uni")
+          max_num_batched_tokens=ARGS["max_model_len"], max_num_seqs=4, seed=0,
+          kv_cache_memory_bytes=256 << 20, distributed_executor_backend="uni")
 calls = [0]
 topk_op = ops.topk_transform_512_cpu
 def counted(*a, **k):
@@ -329,6 +330,7 @@ res["short"] = gen(llm, short)
 res["long"] = gen(llm, [long])
 res["mixed"] = gen(llm, short + [long])
 res["long_again"] = gen(llm, [long])
+res["short_alone"] = [gen(llm, [p]) for p in short]  # as a server gets them, one by one
 loaded()
 
 # 3. lm-eval's `vllm` model (lm_eval.models.vllm_causallms.VLLM, which builds its own LLM) on
@@ -499,6 +501,69 @@ def test_v4_refused_without_avx512_bf16(v4_run):
         assert "AVX512-BF16" in msg and "DeepSeek-V4" in msg, (backend, kind, msg)
 
 
+BATCH_TOL = 0.05  # nats: the same prompts alone and batched (see the test below)
+SPIKE_TOL, MAX_SPIKES = 1.0, 2  # ... but for this many single steps (a routing near-tie)
+
+
+def _batch_compare(alone: dict, together: dict, tol: float = BATCH_TOL,
+                   spike_tol: float = SPIKE_TOL, max_spikes: int = MAX_SPIKES):
+    """Two runs of the same prompts (greedy tokens, top-5 logprobs per step): along each
+    prompt's steps, every logprob both runs returned within ``tol``, but at up to
+    ``max_spikes`` steps in all within ``spike_tol`` (bf16 noise can flip one MoE routing
+    choice where a position's k-th and (k+1)-th experts nearly tie: one step moves by up to
+    ~0.6 nats, see ``_v4_reference``; a batching fault moves many); the tokens equal, or, at
+    the step they part, a near tie in both runs (the two tokens within twice the step's
+    tolerance in each), after which that prompt's histories differ and are not compared.
+    Returns (largest difference, near-tie partings, spike steps, problems)."""
+    worst, flips, spikes, problems = 0.0, 0, [], []
+    assert len(alone["tokens"]) == len(together["tokens"])
+    for i, (ta, la, tb, lb) in enumerate(zip(alone["tokens"], alone["logprobs"],
+                                             together["tokens"], together["logprobs"])):
+        assert len(ta) == len(tb), (i, len(ta), len(tb))
+        for step, (x, y, da, db) in enumerate(zip(ta, tb, la, lb)):
+            d = max((abs(da[k] - db[k]) for k in da.keys() & db.keys()), default=0.0)
+            worst = max(worst, d)
+            allowed = tol
+            if d > tol:
+                if d <= spike_tol and len(spikes) < max_spikes:
+                    spikes.append((i, step, round(d, 4)))
+                    allowed = spike_tol
+                else:
+                    problems.append(f"prompt {i} step {step}: logprobs {d:.4f} apart alone "
+                                    f"and batched (> {tol}; spikes so far {spikes})")
+            if x != y:
+                gap = max(da[x] - da.get(y, float("-inf")), db[y] - db.get(x, float("-inf")))
+                if gap <= 2 * allowed:
+                    flips += 1
+                else:
+                    problems.append(f"prompt {i} step {step}: token {x} alone, {y} batched, "
+                                    f"{gap:.4f} nats apart (not a near tie)")
+                break
+    return worst, flips, spikes, problems
+
+
+def test_batch_compare_tells_noise_from_a_fault():
+    one = {"tokens": [[5, 6, 7]], "logprobs": [[{5: -0.1, 9: -2.0}, {6: -0.5, 8: -0.52},
+                                                 {7: -1.0}]]}
+    noisy = {"tokens": [[5, 8, 1]], "logprobs": [[{5: -0.12, 9: -2.01}, {8: -0.49, 6: -0.51},
+                                                   {1: -3.0}]]}
+    worst, flips, spikes, problems = _batch_compare(one, noisy)
+    assert (round(worst, 4), flips, spikes, problems) == (0.03, 1, [], [])  # a near tie
+    spiky = {"tokens": [[5, 6, 7]], "logprobs": [[{5: -0.1, 9: -2.0}, {6: -0.9, 8: -0.52},
+                                                   {7: -1.01}]]}
+    assert _batch_compare(one, spiky)[1:] == (0, [(0, 1, 0.4)], [])  # one routing spike
+    assert len(_batch_compare(one, spiky, max_spikes=0)[3]) == 1
+    wrong = {"tokens": [[5, 9, 7]], "logprobs": [[{5: -0.1, 9: -2.0}, {9: -0.2, 6: -1.9},
+                                                   {7: -1.0}]]}
+    worst, flips, spikes, problems = _batch_compare(one, wrong)
+    assert flips == 0 and spikes == [] and len(problems) == 2
+    assert worst == pytest.approx(1.4)
+    far = {"tokens": [[5, 6, 7]], "logprobs": [[{5: -0.3, 9: -2.3}, {6: -0.8, 8: -0.9},
+                                                 {7: -1.3}]]}
+    spikes, problems = _batch_compare(one, far)[2:]  # every step off: two spikes, then a fault
+    assert len(spikes) == 2 and len(problems) == 1 and "prompt 0 step 2" in problems[0]
+
+
 @pytest.mark.engine
 @needs_v4_kernels
 def test_stock_v4_serves_with_ulacache_installed(v4_run, v4_prompts):
@@ -515,16 +580,54 @@ def test_stock_v4_serves_with_ulacache_installed(v4_run, v4_prompts):
     assert len({tuple(t) for t in mixed["tokens"]}) == len(mixed["tokens"])
     assert v4_run["long_again"]["tokens"] == lg["tokens"]
     assert v4_run["long_again"]["logprobs"] == lg["logprobs"]
-    # Batch-invariant: the same tokens alone and batched; logprobs equal to bf16 noise
-    # (measured: short prompts equal, the long one within 3e-4).
-    assert mixed["tokens"] == s["tokens"] + lg["tokens"]
-    diff = max(abs(a[k] - b[k]) for x, y in zip(mixed["logprobs"], s["logprobs"] + lg["logprobs"])
-               for a, b in zip(x, y) for k in a if k in b)
-    assert diff < 1e-2, diff
+    # Batch-invariant: the same tokens alone and batched, logprobs equal to bf16 noise. Not
+    # bit for bit: the linear layers' GEMMs round differently for the batch's shapes, by host
+    # (measured: short prompts equal and the long one within 3e-4 on AMX; 0.016 through the
+    # lab's emulated kernels on an AVX2 host). A batching fault moves logprobs by nats.
+    alone = {k: s[k] + lg[k] for k in ("tokens", "logprobs")}
+    diff, flips, spikes, problems = _batch_compare(alone, mixed)
+    print(f"\nbatched vs alone: max |dlogprob| {diff:.2e}, near-tie partings {flips}, "
+          f"routing spikes {spikes}")
+    assert not problems, "\n".join(problems)
+    assert flips <= 1, flips  # (a near tie in one prompt's greedy path, not in several)
     # The real lightning indexer ran for the long prompt (its ops were reached: no plugin
     # hook replaced V4's indexer), and not for the short ones (every entry selected).
     assert s["topk_calls"] == 0
     assert lg["topk_calls"] > 0 and mixed["topk_calls"] > 0
+
+
+def test_reference_first_token_routing_flips(tiny_model, v4_prompts):
+    """The reference's routing-flip variants (``_v4_reference.first_token_variants``): each
+    really flips a choice (its first-token row differs), and ``compare`` accepts a first token
+    off the plain reference only when one variant matches it within the tolerance."""
+    import torch
+
+    import _v4_reference as ref
+
+    model = ref.load(tiny_model(V4))
+    prompt = v4_prompts[0][0]
+    lp, _ = ref.teacher_forced(model, prompt, [0])
+    # (at the last position: a flip elsewhere in the last MoE layer reaches no later token)
+    variants = list(ref.first_token_variants(model, prompt, near=float("inf"), positions=1))
+    assert 1 <= len(variants) <= ref.MAX_FLIPS and model._router_flip is None
+    assert len({label[:2] for label, _ in variants}) == len(variants)
+    for label, row in variants:
+        assert label[1] == len(prompt) - 1 and not torch.equal(row, lp[0]), label
+    assert torch.equal(ref.teacher_forced(model, prompt, [0])[0], lp)  # no flip left behind
+
+    g = torch.Generator().manual_seed(0)
+    plain = torch.log_softmax(torch.randn(1, 64, generator=g), -1)
+    top5 = plain[0].topk(5).indices.tolist()
+    flipped = plain[0].clone()
+    flipped[top5] += 0.3
+    got = [{t: float(flipped[t]) for t in top5}]
+    toks = [top5[0]]
+    assert len(ref.compare(plain, toks, got).problems) == 5
+    c = ref.compare(plain, toks, got, first_token_variants=[(("a",), plain[0] + 0.5),
+                                                            (("b",), flipped)])
+    assert c.problems == [] and c.first_token_flip == ("b",)
+    c = ref.compare(plain, toks, got, first_token_variants=[(("a",), plain[0] + 0.5)])
+    assert len(c.problems) == 5 and c.first_token_flip is None
 
 
 @pytest.mark.engine
@@ -538,12 +641,14 @@ def test_v4_agrees_with_transformers_reference(v4_run, v4_prompts, tiny_model):
     for prompt, toks, lps in zip(short + [long], v4_run["mixed"]["tokens"],
                                  v4_run["mixed"]["logprobs"]):
         lp, gaps = ref.teacher_forced(model, prompt, toks)
-        c = ref.compare(lp, toks, [{int(k): v for k, v in d.items()} for d in lps], gaps)
+        c = ref.compare(lp, toks, [{int(k): v for k, v in d.items()} for d in lps], gaps,
+                        first_token_variants=ref.first_token_variants(model, prompt))
         report.append((len(prompt), round(c.first_token_max_diff, 4), round(c.step_max_diff, 4),
-                       c.greedy_mismatches, c.routing_ties, round(c.routing_tie_max_diff, 4)))
+                       c.greedy_mismatches, c.routing_ties, round(c.routing_tie_max_diff, 4),
+                       c.first_token_flip))
         failures += [f"prompt of {len(prompt)} tokens: {p}" for p in c.problems]
     print("\n(prompt tokens, first-token max |dlogprob|, any-step max, greedy near-tie flips, "
-          "routing-tie steps, their max):", report)
+          "routing-tie steps, their max, the routing flip the first token matched):", report)
     assert not failures, "\n".join(failures)
 
 
@@ -598,7 +703,10 @@ def test_lm_eval_vllm_model_serves_stock_v4(v4_run, v4_prompts, tiny_model):
     for (ll, greedy), k, t, lps in zip(ev["loglikelihood"], ev["scored"], toks,
                                        v4_run["short"]["logprobs"]):
         expected = sum(step[str(x)] for step, x in zip(lps, t[:k]))
-        assert greedy is True and math.isfinite(ll), (ll, greedy)
+        # lm-eval scores by one prefill, LLM's logprobs come from decode steps: not greedy
+        # only where LLM's own top two nearly tied (the shapes round differently by host).
+        margin = min(sorted(step.values())[-1] - sorted(step.values())[-2] for step in lps[:k])
+        assert math.isfinite(ll) and (greedy is True or margin < 0.05), (ll, greedy, margin)
         diffs.append(abs(ll - expected) / k)
     print("\nlm-eval loglikelihood vs LLM's logprobs: tokens scored", ev["scored"],
           "max |diff| per token", max(diffs))
@@ -623,7 +731,8 @@ def test_vllm_serve_serves_v4_with_either_backend(v4_run, v4_prompts, tiny_model
     model = str(tiny_model(V4))
     repo = Path(__file__).resolve().parents[1]
     venv = Path(__import__("sys").executable).parent.parent
-    args = ["--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "4", "--seed", "0"]
+    args = ["--dtype", "bfloat16", "--enforce-eager", "--max-num-seqs", "4", "--seed", "0",
+            "--max-num-batched-tokens", str(MAX_MODEL_LEN)]  # (LLM's steps: ENGINE_SCRIPT)
     env = vllm_env(dict(VENV=str(venv), KV_CACHE_BYTES=str(256 << 20),
                         MAX_MODEL_LEN=str(MAX_MODEL_LEN)))
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
@@ -669,7 +778,9 @@ def test_vllm_serve_serves_v4_with_either_backend(v4_run, v4_prompts, tiny_model
     finally:
         for proc, _, _ in servers.values():
             _stop(proc)
-    want = [*v4_run["short"]["tokens"], v4_run["long"]["tokens"][0]]
+    # Each prompt was sent alone, as LLM ran it in `short_alone` and `long` (the same steps:
+    # GEMMs round by their shapes, so a batch of three is not the reference here).
+    want = [*(r["tokens"][0] for r in v4_run["short_alone"]), v4_run["long"]["tokens"][0]]
     assert got["vllm"] == want and got["ulacache"] == want
     assert "vllm:ulacache_arena_used_bytes" in series and len(series) >= 10, series
     # The CSA rows' tiers (the long prompt's rows were placed on the device pool).
