@@ -17,6 +17,10 @@
 - `vllm serve` (the project's serve script) gives LLM's greedy tokens with the stock backend
   and with `--kv-backend ulacache` (the V4 line; its parity under pressure is
   ``test_v4_line.py``).
+- Bit for bit only where two runs compute the same shapes (a prompt resent, the same steps,
+  the same batch): elsewhere (alone against batched, prefill against decode) the GEMMs round
+  by their shapes, differently by host, so those comparisons allow bf16 noise, near ties and
+  routing near-ties, each bounded, and a fault's nats still fail them.
 - Beside it, the same generations with ulacache's plugin not loaded (``VLLM_PLUGINS``) and only
   V4's three fixes applied by hand: tokens and logprobs identical, bit for bit.
 """
