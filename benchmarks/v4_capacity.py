@@ -131,6 +131,9 @@ def main() -> None:
     ap.add_argument("--compress-ratios", default=None, metavar="R,R,...",
                     help="the tiny V4's layer schedule (default: the factory's 0,4,128: one "
                     "layer of each kind); e.g. 0,4,128,4,128,4,128,4")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another tiny V4 shape: any config key, as `python -m "
+                    "ulacache_vllm.models build deepseek_v4 --set` (repeatable)")
     ap.add_argument("--kv-mib", type=int, default=128, help="KV budget, both sides (MiB)")
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--prompt-tokens", type=int, default=2100)
@@ -157,14 +160,19 @@ def main() -> None:
     model = args.model
     if model is None:
         from ulacache_vllm.models import build_model
+        from ulacache_vllm.models.__main__ import _parse_set
 
         ratios = ([int(x) for x in args.compress_ratios.split(",")]
                   if args.compress_ratios else None)
-        path = REPO / "models_cache" / ("bench-deepseek-v4" + (
-            "-" + "-".join(map(str, ratios)) if ratios else ""))
+        overrides = dict(compress_ratios=ratios, num_hidden_layers=len(ratios)) if ratios \
+            else {}
+        overrides.update(_parse_set(args.set))
+        name = "bench-deepseek-v4" + ("-" + "-".join(map(str, ratios)) if ratios else "") + (
+            "-" + "-".join(f"{k}{v}" for k, v in sorted(_parse_set(args.set).items()))
+            if args.set else "")
+        path = REPO / "models_cache" / name
         if not (path / "config.json").exists():
-            build_model("deepseek_v4", path, overrides=dict(
-                compress_ratios=ratios, num_hidden_layers=len(ratios)) if ratios else None)
+            build_model("deepseek_v4", path, overrides=overrides or None)
         model = str(path)
     base = dict(model=model, kv_bytes=args.kv_mib * MiB, requests=args.requests,
                 prompt_tokens=args.prompt_tokens, output_tokens=args.output_tokens,
@@ -186,7 +194,8 @@ def main() -> None:
             ("KV bytes per running request (decode)", "decode_bytes_per_request", "{:,.0f}"),
             ("steps", "steps", "{:.0f}"), ("wall s", "wall_s", "{:.1f}"),
             ("output tok/s", "out_tok_s", "{:.1f}")]
-    print(f"\nDeepSeek-V4 (tiny, layers {args.compress_ratios or '0,4,128'}) at {args.kv_mib} "
+    print(f"\nDeepSeek-V4 (tiny, layers {args.compress_ratios or '0,4,128'}"
+          f"{'; ' + ', '.join(args.set) if args.set else ''}) at {args.kv_mib} "
           f"MiB KV, {args.requests} requests of "
           f"{args.prompt_tokens}-{args.prompt_tokens + 199} prompt + {args.output_tokens} output "
           f"tokens, max_num_seqs {args.max_num_seqs}, prefix caching "
