@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -166,10 +167,11 @@ def main() -> None:
                   if args.compress_ratios else None)
         overrides = dict(compress_ratios=ratios, num_hidden_layers=len(ratios)) if ratios \
             else {}
-        overrides.update(_parse_set(args.set))
+        sets = _parse_set(args.set)
+        overrides.update(sets)
         name = "bench-deepseek-v4" + ("-" + "-".join(map(str, ratios)) if ratios else "") + (
-            "-" + "-".join(f"{k}{v}" for k, v in sorted(_parse_set(args.set).items()))
-            if args.set else "")
+            "-" + re.sub(r"[^\w.-]", "", "-".join(f"{k}{v}" for k, v in sorted(sets.items())))
+            if sets else "")
         path = REPO / "models_cache" / name
         if not (path / "config.json").exists():
             build_model("deepseek_v4", path, overrides=overrides or None)
@@ -194,7 +196,9 @@ def main() -> None:
             ("KV bytes per running request (decode)", "decode_bytes_per_request", "{:,.0f}"),
             ("steps", "steps", "{:.0f}"), ("wall s", "wall_s", "{:.1f}"),
             ("output tok/s", "out_tok_s", "{:.1f}")]
-    print(f"\nDeepSeek-V4 (tiny, layers {args.compress_ratios or '0,4,128'}"
+    layers = args.compress_ratios or ("" if any(x.startswith("compress_ratios=")
+                                                for x in args.set) else "0,4,128")
+    print(f"\nDeepSeek-V4 (tiny, layers {layers}"
           f"{'; ' + ', '.join(args.set) if args.set else ''}) at {args.kv_mib} "
           f"MiB KV, {args.requests} requests of "
           f"{args.prompt_tokens}-{args.prompt_tokens + 199} prompt + {args.output_tokens} output "

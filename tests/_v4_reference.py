@@ -36,8 +36,8 @@ the prompt plus vLLM's tokens in one pass, so each step is compared under the sa
 - and a first token off by more than FIRST_TOKEN_TOL passes only if the reference with one
   routing choice flipped matches it within FIRST_TOKEN_TOL: at a near-tie (gap below
   ROUTER_NEAR) of a prompt position the first token attends to (the last FLIP_POSITIONS), the
-  reference's k-th routed expert swapped for its (k+1)-th (``first_token_variants``, the
-  ROUTER_NEAR smallest first). bf16 hosts flip such choices (through the lab's emulated
+  reference's k-th routed expert swapped for its (k+1)-th (``first_token_variants``, at most
+  MAX_FLIPS, the smallest gaps first). bf16 hosts flip such choices (through the lab's emulated
   kernels on an AVX2 host: gaps 0.009 and 0.020 at a 6-token prompt's last two positions, the
   first token 0.13-0.18 nats off; the swap moves it by 0.18-0.19); a wrong kernel matches no
   variant.
@@ -106,6 +106,7 @@ def load(model_dir: str | Path, *, fp8_kv: bool = True):
     model._router_gaps = []
     model._router_flip = None  # (router ordinal, position): see first_token_variants
     routers = [m for m in model.modules() if type(m).__name__ == "DeepseekV4TopKRouter"]
+    model._n_routers = len(routers)
     for i, mod in enumerate(routers):
         mod.register_forward_hook(_record_router_gap(model, i))
     return model.eval()
@@ -149,17 +150,20 @@ def first_token_variants(model, prompt: list[int], *, near: float = ROUTER_NEAR,
     model._router_gaps, model._router_flip = [], None
     with torch.no_grad():
         model(ids, use_cache=False)
+    # (gap list index = router ordinal: each router runs once per forward, in layer order)
+    assert len(model._router_gaps) == model._n_routers, (len(model._router_gaps),
+                                                         model._n_routers)
     lo = max(0, len(prompt) - positions)
     near_ties = sorted((float(g[p]), r, p) for r, g in enumerate(model._router_gaps)
                        for p in range(lo, len(prompt)) if float(g[p]) < near)
-    try:
-        for gap, r, p in near_ties[:most]:
-            model._router_flip = (r, p)
+    for gap, r, p in near_ties[:most]:
+        model._router_flip = (r, p)
+        try:
             with torch.no_grad():
                 logits = model(ids, use_cache=False).logits[0, -1]
-            yield (r, p, round(gap, 4)), torch.log_softmax(logits.float(), dim=-1)
-    finally:
-        model._router_flip = None
+        finally:
+            model._router_flip = None  # (cleared before the caller sees the variant)
+        yield (r, p, round(gap, 4)), torch.log_softmax(logits.float(), dim=-1)
 
 
 def teacher_forced_logprobs(model, prompt: list[int], generated: list[int]):
@@ -174,6 +178,7 @@ def teacher_forced(model, prompt: list[int], generated: list[int]):
     import torch
 
     ids = torch.tensor([list(prompt) + list(generated[:-1])])
+    assert model._router_flip is None, model._router_flip  # (the plain reference only)
     model._router_gaps = []
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits[0, len(prompt) - 1:]
