@@ -178,7 +178,8 @@ def teacher_forced(model, prompt: list[int], generated: list[int]):
     import torch
 
     ids = torch.tensor([list(prompt) + list(generated[:-1])])
-    assert model._router_flip is None, model._router_flip  # (the plain reference only)
+    flip = getattr(model, "_router_flip", None)  # (set only on a model from ``load``)
+    assert flip is None, flip  # the plain reference only
     model._router_gaps = []
     with torch.no_grad():
         logits = model(ids, use_cache=False).logits[0, len(prompt) - 1:]
