@@ -536,8 +536,8 @@ def _batch_compare(alone: dict, together: dict, tol: float = BATCH_TOL,
                     problems.append(f"prompt {i} step {step}: logprobs {d:.4f} apart alone "
                                     f"and batched (> {tol}; spikes so far {spikes})")
             if x != y:
-                # (each run's own margin between the two: within d of each other at most, so
-                # this is not implied by the logprob check above)
+                # (at an ordinary step the logprob bound implies it if both runs name both
+                # tokens; it adds that they do, and holds a spike step's parting to a near tie)
                 gap = max(da[x] - da.get(y, float("-inf")), db[y] - db.get(x, float("-inf")))
                 if gap <= 2 * tol:
                     flips += 1
